@@ -1,0 +1,25 @@
+# Two commands a newcomer needs: `make train` and `make test`. Both install first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install train test clean
+
+install: $(STAMP)
+
+# Re-installs only when the project metadata changes; the venv is created once.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade --quiet pip
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+train: install
+	$(PY) scripts/train.py --strategy mirrored
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs

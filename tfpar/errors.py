@@ -1,0 +1,30 @@
+"""Errors a user can cause, each with a one-line message.
+
+Library code raises these; the command-line scripts catch ``TfparError`` and print
+``error: <message>`` on one line to stderr, exit with status 2, and show no traceback.
+Every message names the bad value and what would be right.
+"""
+
+
+class TfparError(Exception):
+    """Base class of every user-facing error in tfpar."""
+
+
+class ConfigError(TfparError, ValueError):
+    """A flag or configuration field has a value that cannot work."""
+
+
+class DataError(TfparError, ValueError):
+    """A corpus, split or vocabulary is missing, empty or malformed."""
+
+
+class DeviceError(TfparError, ValueError):
+    """A requested device or device count does not exist on this host."""
+
+
+class ClusterError(TfparError, ValueError):
+    """TF_CONFIG or the cluster it describes is malformed or unusable."""
+
+
+class CheckpointError(TfparError):
+    """A checkpoint or export cannot be written, read or resumed from."""
