@@ -1,0 +1,87 @@
+"""Checkpoints: ``tf.train.Checkpoint`` + ``CheckpointManager``, config beside them.
+
+``model_dir`` holds ``config.json`` (the run's configuration), ``vocab.txt``,
+``checkpoints/`` and the TensorBoard event folders. The latest checkpoint is the one the
+manager's state file names (never the newest file by time). A re-run with the same
+model dir restores it; one whose configuration changes the model is refused.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import tensorflow as tf
+
+from tfpar.config import Config, resume_conflicts
+from tfpar.errors import CheckpointError, ConfigError
+
+log = logging.getLogger(__name__)
+CONFIG_FILE = "config.json"
+
+
+def incompatible(model_dir: str, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"cannot resume {model_dir}: {what}; use a new --model-dir or the original settings"
+    )
+
+
+def prepare_model_dir(config: Config, is_chief: bool) -> str:
+    """Creates the model dir (default ``runs/<strategy>-<timestamp>``) and checks or writes
+    its ``config.json``."""
+    model_dir = config.run.model_dir or os.path.join(
+        "runs", f"{config.dist.strategy}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    )
+    if os.path.exists(model_dir) and not os.path.isdir(model_dir):
+        raise ConfigError(f"--model-dir {model_dir!r} is a file; give a folder (new or a "
+                          "previous run's to resume it)")
+    try:
+        os.makedirs(model_dir, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create --model-dir {model_dir!r}: {e.strerror}") from None
+    path = os.path.join(model_dir, CONFIG_FILE)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            stored = Config.from_json(f.read())
+        conflicts = resume_conflicts(stored, config)
+        if conflicts:
+            raise incompatible(model_dir, conflicts[0])
+    elif is_chief:
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(config.to_json())
+        os.replace(tmp, path)
+    return model_dir
+
+
+class Checkpointer:
+    """Saves and restores the training state; only the chief writes."""
+
+    def __init__(self, model_dir: str, is_chief: bool, keep: int, **trackables):
+        self.checkpoint = tf.train.Checkpoint(**trackables)
+        self.directory = os.path.join(model_dir, "checkpoints")
+        self.is_chief = is_chief
+        self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory, keep)
+        self._last_saved = -1
+
+    def restore_latest(self) -> int | None:
+        """Restores the latest checkpoint; returns its step, or None when starting fresh."""
+        path = self.manager.latest_checkpoint
+        if not path:
+            return None
+        self.checkpoint.restore(path).assert_existing_objects_matched()
+        step = int(path.rsplit("-", 1)[-1])
+        self._last_saved = step
+        log.info("resumed from %s (step %d)", path, step)
+        return step
+
+    def save(self, step: int) -> None:
+        """Saves the state at ``step`` unless that step is saved already."""
+        if step == self._last_saved or not self.is_chief:
+            return
+        self.manager.save(checkpoint_number=step)
+        self._last_saved = step
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,248 @@
+"""Command-line plumbing shared by the scripts: flags → Config, logging, error handling.
+
+Nothing here imports TensorFlow at module level: scripts must split the CPU into logical
+devices (and set TF's log level) before TensorFlow initialises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Callable, Sequence
+
+from tfpar import config as cfg
+from tfpar.errors import ConfigError, TfparError
+
+
+def add_distribution_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("distribution")
+    g.add_argument("--strategy", default="default",
+                   help="default | one_device | mirrored | tower | pipeline | multi_worker | "
+                        "parameter_server (default: %(default)s)")
+    g.add_argument("--devices", default="",
+                   help="comma-separated devices, e.g. /gpu:0,/gpu:1 or /cpu:0,/cpu:1 "
+                        "(default: all GPUs, else logical CPU devices)")
+    g.add_argument("--cpu-devices", type=int, default=0,
+                   help="split the host CPU into N logical devices (default: 2 for "
+                        "multi-device strategies on a host without GPUs)")
+    g.add_argument("--all-reduce", default="auto", choices=None,
+                   help="mirrored cross-device reduction: auto | nccl | hierarchical_copy | "
+                        "reduce_to_one (auto: NCCL with >=2 GPUs, else reduce_to_one)")
+    g.add_argument("--variable-device", default="",
+                   help="tower: where variables live (default: /cpu:0 for GPU towers, else "
+                        "the first tower device)")
+    g.add_argument("--tower-reduce", default="controller",
+                   help="tower: controller (gather on the variable device) | ring (chunked "
+                        "ring all-reduce across towers)")
+    g.add_argument("--communication", default="auto",
+                   help="multi_worker collectives: auto | ring | nccl")
+    g.add_argument("--stages", default="",
+                   help="pipeline: part=device list, e.g. embedding=/cpu:0,rnn=/cpu:1,"
+                        "softmax=/cpu:1")
+    g.add_argument("--micro-batches", type=int, default=4,
+                   help="pipeline: micro-batches per global batch (default: %(default)s)")
+    g.add_argument("--log-device-placement", action="store_true",
+                   help="log the device every op runs on (TensorFlow's placement log)")
+    g.add_argument("--soft-placement", action="store_true",
+                   help="let ops with no kernel on the requested device run elsewhere")
+
+
+def add_data_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default="synthetic",
+                   help="synthetic | ptb | wikitext-2 | tfds:NAME | a folder with "
+                        "train/valid/test splits (default: %(default)s)")
+    g.add_argument("--input-dir", default="input",
+                   help="folder holding named corpora as <input-dir>/<name>/ "
+                        "(default: %(default)s)")
+    g.add_argument("--tfds-data-dir", default=None,
+                   help="TensorFlow Datasets data_dir for tfds:NAME (never downloaded here)")
+    g.add_argument("--mode", default="sentence",
+                   help="sentence (bucketed sentences) | stream (contiguous BPTT windows)")
+    g.add_argument("--bptt", type=int, default=35, help="stream mode window length")
+    g.add_argument("--vocab-size", type=int, default=0,
+                   help="keep at most N vocabulary entries incl. <pad> <unk> <eos> (0: all)")
+    g.add_argument("--min-count", type=int, default=1,
+                   help="words seen fewer times in train become <unk>")
+    g.add_argument("--max-length", type=int, default=80,
+                   help="longest sentence-mode example in tokens (default: %(default)s)")
+    g.add_argument("--long-sentences", default="split",
+                   help="split | truncate sentences longer than --max-length")
+    g.add_argument("--max-pad-fraction", type=float, default=0.02,
+                   help="bucket boundaries keep expected padding below this share")
+    g.add_argument("--synthetic-sentences", default="20000,2000,2000",
+                   help="synthetic corpus size: train,valid,test sentences")
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--cell", default="lstm", help="lstm | gru")
+    g.add_argument("--layers", type=int, default=1, help="stacked RNN layers")
+    g.add_argument("--embed-dim", type=int, default=128, help="embedding width")
+    g.add_argument("--hidden-dim", type=int, default=256, help="RNN state width")
+    g.add_argument("--dropout", type=float, default=0.0, help="dropout rate (0: off)")
+    g.add_argument("--tie-embeddings", action="store_true",
+                   help="share the embedding with the softmax (embed-dim == hidden-dim)")
+    g.add_argument("--init-scale", type=float, default=0.0,
+                   help="uniform init in [-s, s] for every weight (0: Keras defaults)")
+
+
+def add_train_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--optimizer", default="adam", help="sgd | adam")
+    g.add_argument("--lr", type=float, default=3e-3, help="learning rate")
+    g.add_argument("--lr-decay", type=float, default=1.0, help="per-epoch LR factor")
+    g.add_argument("--decay-after", type=int, default=0,
+                   help="epochs at the base LR before --lr-decay applies")
+    g.add_argument("--scale-lr", default="none",
+                   help="none | linear (multiply LR by the replica count; use warm-up)")
+    g.add_argument("--warmup-steps", type=int, default=0, help="linear LR warm-up steps")
+    g.add_argument("--clip-norm", type=float, default=5.0,
+                   help="clip the aggregated gradient's global norm (0: off)")
+    g.add_argument("--epochs", type=int, default=3, help="passes over train")
+    g.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: no limit)")
+    g.add_argument("--batch-size", type=int, default=64,
+                   help="GLOBAL batch: sentences (or stream columns) over all replicas")
+    g.add_argument("--eval-batch-size", type=int, default=0,
+                   help="global eval batch (0: --batch-size)")
+    g.add_argument("--seed", type=int, default=0, help="seed for weights, shuffling, dropout")
+    g.add_argument("--deterministic", action="store_true",
+                   help="deterministic TF kernels (slower; exact resumes)")
+    g.add_argument("--on-nan", default="stop", help="stop | skip a non-finite step")
+
+
+def add_output_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("outputs")
+    g.add_argument("--model-dir", default="",
+                   help="checkpoints + TensorBoard events; re-use to resume "
+                        "(default: runs/<strategy>-<timestamp>)")
+    g.add_argument("--export-dir", default="saved_models",
+                   help="SavedModels go to <export-dir>/<export-name>/<version>/")
+    g.add_argument("--export-name", default="tfpar_lm", help="SavedModel name")
+    g.add_argument("--no-export", action="store_true", help="skip the SavedModel export")
+    g.add_argument("--checkpoint-every", type=int, default=0,
+                   help="checkpoint every N steps (0: each epoch end)")
+    g.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept")
+    g.add_argument("--log-every", type=int, default=10, help="summary interval in steps")
+    g.add_argument("--metrics-json", default="", help="write final metrics to this JSON file")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--profile-steps", default="",
+                   help="A,B: profile steps A..B into the TensorBoard log")
+    g.add_argument("-v", "--verbose", action="store_true", help="TensorFlow's own logs too")
+
+
+def train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train.py",
+        description="Train an RNN language model on one or many devices, evaluate it, "
+                    "write TensorBoard events and export a SavedModel.",
+    )
+    add_distribution_flags(p)
+    add_data_flags(p)
+    add_model_flags(p)
+    add_train_flags(p)
+    add_output_flags(p)
+    return p
+
+
+def _int_list(flag: str, text: str, count: int | None = None) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r} must be comma-separated integers") from None
+    if count is not None and len(values) != count:
+        raise ConfigError(f"{flag} {text!r} must have {count} comma-separated integers")
+    return values
+
+
+def config_from_args(a: argparse.Namespace) -> cfg.Config:
+    """Builds and validates the Config the flags describe."""
+    from tfpar.devices import parse_device_list
+
+    s_train, s_valid, s_test = _int_list("--synthetic-sentences", a.synthetic_sentences, 3)
+    profile = _int_list("--profile-steps", a.profile_steps)
+    if profile and (len(profile) != 2 or not 0 < profile[0] <= profile[1]):
+        raise ConfigError(f"--profile-steps {a.profile_steps!r} must be A,B with 0 < A <= B")
+    return cfg.Config(
+        data=cfg.DataConfig(
+            source=a.data, input_dir=a.input_dir, tfds_data_dir=a.tfds_data_dir, mode=a.mode,
+            bptt=a.bptt, vocab_size=a.vocab_size, min_count=a.min_count,
+            max_length=a.max_length, long_sentences=a.long_sentences,
+            max_pad_fraction=a.max_pad_fraction, synthetic_train=s_train,
+            synthetic_valid=s_valid, synthetic_test=s_test,
+        ),
+        model=cfg.ModelConfig(
+            cell=a.cell, layers=a.layers, embed_dim=a.embed_dim, hidden_dim=a.hidden_dim,
+            dropout=a.dropout, tie_embeddings=a.tie_embeddings, init_scale=a.init_scale,
+        ),
+        train=cfg.TrainConfig(
+            optimizer=a.optimizer, lr=a.lr, lr_decay=a.lr_decay, decay_after=a.decay_after,
+            scale_lr=a.scale_lr, warmup_steps=a.warmup_steps, clip_norm=a.clip_norm,
+            epochs=a.epochs, max_steps=a.max_steps, batch_size=a.batch_size,
+            eval_batch_size=a.eval_batch_size, seed=a.seed, deterministic=a.deterministic,
+            on_nan=a.on_nan,
+        ),
+        dist=cfg.DistConfig(
+            strategy=a.strategy, devices=parse_device_list(a.devices),
+            cpu_devices=a.cpu_devices, all_reduce=a.all_reduce,
+            variable_device=a.variable_device, tower_reduce=a.tower_reduce,
+            communication=a.communication, stages=a.stages, micro_batches=a.micro_batches,
+            log_device_placement=a.log_device_placement, soft_placement=a.soft_placement,
+        ),
+        run=cfg.RunConfig(
+            model_dir=a.model_dir, export_dir=a.export_dir, export_name=a.export_name,
+            export=not a.no_export, checkpoint_every=a.checkpoint_every,
+            keep_checkpoints=a.keep_checkpoints, log_every=a.log_every,
+            metrics_json=a.metrics_json, progress=not a.no_progress, profile_steps=profile,
+        ),
+    )
+
+
+def setup_logging(verbose: bool = False) -> None:
+    """Human logs on stderr; TensorFlow's C++ chatter only with --verbose."""
+    if not verbose:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    logging.basicConfig(level=logging.INFO, format="%(levelname).1s %(name)s: %(message)s",
+                        force=True)
+    if not verbose:
+        for name in ("absl", "tensorflow", "h5py"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def prepare_runtime(dist: cfg.DistConfig) -> None:
+    """Logical CPU devices and placement options; must run before TF initialises."""
+    from tfpar import devices
+    from tfpar.strategies import cpu_devices_needed
+
+    devices.configure_cpu_devices(cpu_devices_needed(dist))
+    devices.set_placement_options(log_placement=dist.log_device_placement,
+                                  soft_placement=dist.soft_placement)
+
+
+def run_main(body: Callable[[], int | None]) -> int:
+    """Runs a script body: a user error becomes one line on stderr and exit status 2."""
+    try:
+        return body() or 0
+    except TfparError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def train_main(argv: Sequence[str] | None = None) -> int:
+    """``scripts/train.py``: flags → Config → ``train_and_evaluate``."""
+    args = train_parser().parse_args(argv)
+    setup_logging(args.verbose or args.log_device_placement)
+
+    def body():
+        config = config_from_args(args)
+        prepare_runtime(config.dist)
+        from tfpar.train import train_and_evaluate
+
+        train_and_evaluate(config)
+
+    return run_main(body)

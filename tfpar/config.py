@@ -1,0 +1,314 @@
+"""One typed configuration for a tfpar run.
+
+Every field carries a comment and is validated on construction, so a bad value fails at
+the start of a run with a one-line :class:`~tfpar.errors.ConfigError` that names it.
+Batch sizes are *global* (summed over every replica) unless a name says otherwise.
+The whole config round-trips through JSON; a copy is stored beside the checkpoints so a
+resumed run can refuse an incompatible configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from tfpar.errors import ConfigError
+
+MODES = ("sentence", "stream")
+LONG_SENTENCES = ("split", "truncate")
+CELLS = ("lstm", "gru")
+OPTIMIZERS = ("sgd", "adam")
+ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
+SCALE_LR = ("none", "linear")
+ON_NAN = ("stop", "skip")
+TOWER_REDUCE = ("controller", "ring")
+COMMUNICATION = ("auto", "ring", "nccl")
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"unknown {name} {value!r}; expected one of: {', '.join(allowed)}")
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{name} must be > 0, got {value!r}")
+
+
+def _non_negative(name: str, value: float) -> None:
+    if not value >= 0:
+        raise ConfigError(f"{name} must be >= 0, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where text comes from and how it becomes batches."""
+
+    # "synthetic" (generated, with an exact oracle), "ptb" / "wikitext-2" (found in
+    # input_dir), "tfds:NAME" (TensorFlow Datasets, never downloaded here) or a folder path.
+    source: str = "synthetic"
+    # Folder that holds named corpora: input/<name>/.
+    input_dir: str = "input"
+    # TensorFlow Datasets data_dir for tfds:NAME sources (None: TFDS's default).
+    tfds_data_dir: str | None = None
+    # "sentence": one line per example, bucketed and padded; "stream": the split as
+    # contiguous columns cut into bptt windows, RNN state carried across windows.
+    mode: str = "sentence"
+    # Window length in stream mode (time steps per training example).
+    bptt: int = 35
+    # Keep at most this many vocabulary entries, specials included (0: keep every word).
+    vocab_size: int = 0
+    # Words seen fewer times than this in train become <unk>.
+    min_count: int = 1
+    # Longest example in sentence mode, in predicted tokens (words + <eos>).
+    max_length: int = 80
+    # What to do with a longer sentence: "split" it into max_length pieces (every token is
+    # still predicted once) or "truncate" it (the tail is dropped and counted in the log).
+    long_sentences: str = "split"
+    # Bucket boundaries are chosen from the train length histogram so that the expected
+    # share of pad tokens stays below this fraction.
+    max_pad_fraction: float = 0.02
+    # Synthetic corpus size, in sentences per split.
+    synthetic_train: int = 20000
+    synthetic_valid: int = 2000
+    synthetic_test: int = 2000
+
+    def __post_init__(self) -> None:
+        _choice("mode", self.mode, MODES)
+        _choice("long-sentences policy", self.long_sentences, LONG_SENTENCES)
+        _positive("bptt", self.bptt)
+        _non_negative("vocab-size", self.vocab_size)
+        if 0 < self.vocab_size < 4:
+            raise ConfigError(
+                f"vocab-size {self.vocab_size} is too small: it must hold <pad>, <unk>, "
+                "<eos> and at least one word (>= 4), or be 0 for no limit"
+            )
+        _positive("min-count", self.min_count)
+        if self.max_length < 2:
+            raise ConfigError(f"max-length must be >= 2, got {self.max_length!r}")
+        if not 0 < self.max_pad_fraction < 1:
+            raise ConfigError(f"max-pad-fraction must be in (0, 1), got {self.max_pad_fraction!r}")
+        for name in ("synthetic_train", "synthetic_valid", "synthetic_test"):
+            _positive(name.replace("_", "-"), getattr(self, name))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The RNN language model's architecture."""
+
+    # Recurrent cell: "lstm" or "gru".
+    cell: str = "lstm"
+    # Number of stacked recurrent layers.
+    layers: int = 1
+    # Word embedding width.
+    embed_dim: int = 128
+    # Recurrent state width of every layer.
+    hidden_dim: int = 256
+    # Dropout rate after the embedding and after every recurrent layer (0: off).
+    dropout: float = 0.0
+    # Share the embedding matrix with the softmax (needs embed_dim == hidden_dim).
+    tie_embeddings: bool = False
+    # Initialise every weight uniformly in [-init_scale, init_scale] (0: Keras defaults).
+    init_scale: float = 0.0
+
+    def __post_init__(self) -> None:
+        _choice("cell", self.cell, CELLS)
+        _positive("layers", self.layers)
+        _positive("embed-dim", self.embed_dim)
+        _positive("hidden-dim", self.hidden_dim)
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        _non_negative("init-scale", self.init_scale)
+        if self.tie_embeddings and self.embed_dim != self.hidden_dim:
+            raise ConfigError(
+                f"--tie-embeddings needs embed-dim == hidden-dim, got {self.embed_dim} and "
+                f"{self.hidden_dim}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and the training loop."""
+
+    # "sgd" or "adam".
+    optimizer: str = "adam"
+    # Base learning rate (before decay, warm-up and linear scaling).
+    lr: float = 3e-3
+    # Multiply the learning rate by this after every epoch past decay_after.
+    lr_decay: float = 1.0
+    # Epochs trained at the base learning rate before the decay starts.
+    decay_after: int = 0
+    # "linear": multiply lr by num_replicas (the linear scaling rule); "none": keep it.
+    scale_lr: str = "none"
+    # Ramp the learning rate linearly from 0 over this many steps (0: no warm-up).
+    warmup_steps: int = 0
+    # Clip the aggregated gradient to this global norm (0: no clipping).
+    clip_norm: float = 5.0
+    # Passes over the training split.
+    epochs: int = 3
+    # Stop after this many optimizer steps in total (0: no limit).
+    max_steps: int = 0
+    # Global batch size: sentences (sentence mode) or columns (stream mode), all replicas.
+    batch_size: int = 64
+    # Global batch size for evaluation (0: same as batch_size).
+    eval_batch_size: int = 0
+    # Seed for initial weights, shuffling and dropout.
+    seed: int = 0
+    # Ask TensorFlow for deterministic kernels (slower; bit-exact resumes where TF allows).
+    deterministic: bool = False
+    # What a non-finite loss or gradient does: "stop" the run or "skip" the update.
+    on_nan: str = "stop"
+
+    def __post_init__(self) -> None:
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("scale-lr", self.scale_lr, SCALE_LR)
+        _choice("on-nan", self.on_nan, ON_NAN)
+        _positive("lr", self.lr)
+        _positive("lr-decay", self.lr_decay)
+        _non_negative("decay-after", self.decay_after)
+        _non_negative("warmup-steps", self.warmup_steps)
+        _non_negative("clip-norm", self.clip_norm)
+        _positive("epochs", self.epochs)
+        _non_negative("max-steps", self.max_steps)
+        _positive("batch-size", self.batch_size)
+        _non_negative("eval-batch-size", self.eval_batch_size)
+
+    @property
+    def global_eval_batch_size(self) -> int:
+        return self.eval_batch_size or self.batch_size
+
+
+@dataclasses.dataclass(frozen=True)
+class DistConfig:
+    """How the work is spread over devices and processes."""
+
+    # A name from tfpar.strategies.STRATEGIES.
+    strategy: str = "default"
+    # Explicit devices, e.g. ("/gpu:0", "/gpu:1") or ("/cpu:0", "/cpu:1"); empty: automatic.
+    devices: tuple[str, ...] = ()
+    # Split the host CPU into this many logical devices (0: automatic).
+    cpu_devices: int = 0
+    # Cross-device reduction of MirroredStrategy.
+    all_reduce: str = "auto"
+    # Tower strategy: where the variables live (empty: /cpu:0 for GPU towers, else the
+    # first tower device).
+    variable_device: str = ""
+    # Tower strategy: "controller" gathers gradients on the variable device; "ring" runs
+    # a chunked ring all-reduce across the tower devices.
+    tower_reduce: str = "controller"
+    # Multi-worker collective communication.
+    communication: str = "auto"
+    # Pipeline strategy: part=device assignments, e.g. "embedding=/cpu:0,rnn=/cpu:1".
+    stages: str = ""
+    # Pipeline strategy: micro-batches per global batch.
+    micro_batches: int = 4
+    # Log where every op runs (TensorFlow's placement log).
+    log_device_placement: bool = False
+    # Let ops without a kernel on the requested device fall back to another device.
+    soft_placement: bool = False
+
+    def __post_init__(self) -> None:
+        _choice("all-reduce", self.all_reduce, ALL_REDUCE)
+        _choice("tower-reduce", self.tower_reduce, TOWER_REDUCE)
+        _choice("communication", self.communication, COMMUNICATION)
+        _non_negative("cpu-devices", self.cpu_devices)
+        _positive("micro-batches", self.micro_batches)
+        object.__setattr__(self, "devices", tuple(self.devices))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Where a run writes and how often."""
+
+    # Checkpoints, TensorBoard events, vocabulary and config live here; re-using the
+    # folder resumes the run.
+    model_dir: str = ""
+    # SavedModels go to <export_dir>/<export_name>/<version>/.
+    export_dir: str = "saved_models"
+    export_name: str = "tfpar_lm"
+    # Write a SavedModel at the end of training.
+    export: bool = True
+    # Save a checkpoint every this many steps (0: at the end of every epoch only).
+    checkpoint_every: int = 0
+    # Checkpoints kept on disk.
+    keep_checkpoints: int = 3
+    # Write step summaries every this many steps.
+    log_every: int = 10
+    # Write the run's final figures to this JSON file ("" for none).
+    metrics_json: str = ""
+    # Show a progress bar.
+    progress: bool = True
+    # Profile these steps (first, last) into the TensorBoard log (empty: no profile).
+    profile_steps: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _non_negative("checkpoint-every", self.checkpoint_every)
+        _positive("keep-checkpoints", self.keep_checkpoints)
+        _positive("log-every", self.log_every)
+        object.__setattr__(self, "profile_steps", tuple(self.profile_steps))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything a run needs."""
+
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    dist: DistConfig = dataclasses.field(default_factory=DistConfig)
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Config":
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        types = {
+            "data": DataConfig, "model": ModelConfig, "train": TrainConfig,
+            "dist": DistConfig, "run": RunConfig,
+        }
+        kwargs = {}
+        for name in sections:
+            known = {f.name for f in dataclasses.fields(types[name])}
+            given = d.get(name, {})
+            unknown = set(given) - known
+            if unknown:
+                raise ConfigError(f"unknown {name} config field(s): {', '.join(sorted(unknown))}")
+            kwargs[name] = types[name](**given)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Config":
+        return cls.from_dict(json.loads(text))
+
+    def replace(self, **sections: Any) -> "Config":
+        """Returns a copy with fields of sections replaced: ``cfg.replace(train={"lr": 1})``."""
+        updated = {
+            name: dataclasses.replace(getattr(self, name), **fields)
+            for name, fields in sections.items()
+        }
+        return dataclasses.replace(self, **updated)
+
+
+# The model-shaping fields: a checkpoint made with one value cannot be resumed with another.
+INCOMPATIBLE_ON_RESUME = (
+    ("model", "cell"), ("model", "layers"), ("model", "embed_dim"), ("model", "hidden_dim"),
+    ("model", "tie_embeddings"), ("data", "source"), ("data", "vocab_size"),
+    ("data", "min_count"), ("train", "optimizer"),
+)
+
+
+def resume_conflicts(stored: Config, requested: Config) -> list[str]:
+    """Names the fields that make ``requested`` unable to resume ``stored``'s checkpoints."""
+    conflicts = []
+    for section, field in INCOMPATIBLE_ON_RESUME:
+        old = getattr(getattr(stored, section), field)
+        new = getattr(getattr(requested, section), field)
+        if old != new:
+            conflicts.append(f"{section}.{field}: checkpoint has {old!r}, this run asks for {new!r}")
+    return conflicts

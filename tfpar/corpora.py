@@ -1,0 +1,402 @@
+"""Where text comes from: corpus folders (PTB, WikiText-2, your own) and TFDS.
+
+Every source becomes a :class:`Corpus`: three lists of sentences, one sentence per item,
+each stripped of surrounding whitespace, with blank lines dropped. Tokens are whatever
+``str.split()`` gives; this module never tokenises or builds a vocabulary.
+
+A corpus folder holds three UTF-8 text files, one sentence per line, named by one of
+:data:`SPLIT_PATTERNS`::
+
+    input/ptb/ptb.{train,valid,test}.txt
+    input/wikitext-2/wiki.{train,valid,test}.tokens
+    my_corpus/{train,valid,test}.txt
+
+The generated ``synthetic`` corpus lives in ``tfpar.synthetic``, not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import Iterable
+
+from tfpar.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+SPLITS = ("train", "valid", "test")
+
+# File names of a corpus folder, tried in this order ("{}" is the split name). The first
+# pattern whose train file exists decides the names of valid and test too, so a folder
+# never mixes, say, ptb.train.txt with valid.txt.
+SPLIT_PATTERNS = ("ptb.{}.txt", "wiki.{}.tokens", "{}.txt")
+
+TFDS_PREFIX = "tfds:"
+
+# TFDS split names that fill each Corpus split, in order of preference.
+_TFDS_SPLITS = {"train": ("train",), "valid": ("validation", "valid", "dev"), "test": ("test",)}
+
+# How many file names an error message lists before it says "and N more".
+_LISTED_NAMES = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """Three splits of sentences from one source.
+
+    The lists are left out of ``repr`` so that a log line or a failing test does not
+    print a whole corpus.
+    """
+
+    # "ptb", "wikitext-2", "tfds:tiny_shakespeare", or the folder name for --data DIR.
+    name: str
+    # One sentence per item: stripped, never empty; tokens are separated by whitespace.
+    train: list[str] = dataclasses.field(repr=False)
+    valid: list[str] = dataclasses.field(repr=False)
+    test: list[str] = dataclasses.field(repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusFile:
+    """One split file of a corpus that tfpar knows how to download."""
+
+    # "train", "valid" or "test".
+    split: str
+    # File name inside input/<corpus>/.
+    filename: str
+    # sha256 of the file's bytes, from /work/shared/data/README.md.
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownCorpus:
+    """A corpus that ``--data NAME`` finds in ``input/NAME/``."""
+
+    # Canonical name, also the folder name under input/.
+    name: str
+    # Its three split files, in SPLITS order.
+    files: tuple[CorpusFile, ...]
+
+
+# The one table of known corpora and their checksums; scripts/download_data.py verifies
+# downloads against it (and its tests swap in tiny files through this dict).
+KNOWN_CORPORA: dict[str, KnownCorpus] = {
+    "ptb": KnownCorpus("ptb", (
+        CorpusFile("train", "ptb.train.txt",
+                   "fcea919f6cf83f35d4d00c6cbf08040d13d4155226340912e2fef9c9c4102cbf"),
+        CorpusFile("valid", "ptb.valid.txt",
+                   "c9fe6985fe0d4ccb578183407d7668fc6066c20700cb4cf87d8ff1cc34df1bf2"),
+        CorpusFile("test", "ptb.test.txt",
+                   "dd65dff31e70846b2a6030a87482edcd5d199130cdcfa1f3dccbb033728deee0"),
+    )),
+    "wikitext-2": KnownCorpus("wikitext-2", (
+        CorpusFile("train", "wiki.train.tokens",
+                   "9e9fa1ad55b1c2c95b08e37dd8e653f638fac2c6de904b79e813611eefbc985f"),
+        CorpusFile("valid", "wiki.valid.tokens",
+                   "f0737ed31fc1329026e95cb8b98e19c2a182c39c240ab909dc31abf2f8af58e8"),
+        CorpusFile("test", "wiki.test.tokens",
+                   "d790b833ef8cf03a90db7bf1271b7520b83c45ce07ba3c1a9699df81e239eca0"),
+    )),
+}
+
+# Other spellings accepted for a known corpus name.
+ALIASES = {"wikitext2": "wikitext-2"}
+
+
+def canonical_name(name: str) -> str | None:
+    """Returns the canonical known-corpus name for ``name`` or an alias, else None."""
+    name = ALIASES.get(name, name)
+    return name if name in KNOWN_CORPORA else None
+
+
+def _known_names() -> str:
+    return ", ".join([*KNOWN_CORPORA, *ALIASES])
+
+
+def _sentences(lines: Iterable[str]) -> list[str]:
+    """Strips each line and drops the blank ones."""
+    return [s for s in (line.strip() for line in lines) if s]
+
+
+def _listing(folder: Path) -> str:
+    """Describes what a folder holds, naming the first few entries."""
+    names = sorted(p.name for p in folder.iterdir())
+    if not names:
+        return "it is empty"
+    shown = ", ".join(names[:_LISTED_NAMES])
+    more = f" and {len(names) - _LISTED_NAMES} more" if len(names) > _LISTED_NAMES else ""
+    return f"it holds {shown}{more}"
+
+
+def _check_folder(folder: Path) -> None:
+    if folder.is_file():
+        raise DataError(
+            f"corpus path {folder} is a file, not a folder; pass the folder that holds the "
+            f"train/valid/test files (e.g. {folder.parent})")
+    if not folder.is_dir():
+        raise DataError(
+            f"corpus folder {folder} does not exist; pass a folder that holds train/valid/test "
+            "text files (see input/README.md)")
+
+
+def _find_split_files(folder: Path) -> dict[str, Path]:
+    """Maps each split to its file, using the first pattern that has a train file."""
+    for pattern in SPLIT_PATTERNS:
+        files = {split: folder / pattern.format(split) for split in SPLITS}
+        if not files["train"].exists():
+            continue
+        for split in ("valid", "test"):
+            if not files[split].exists():
+                raise DataError(
+                    f"corpus folder {folder} has {files['train'].name} but no "
+                    f"{files[split].name}; put the {split} split beside it under that name")
+        return files
+    accepted = ", ".join(p.format("{train,valid,test}") for p in SPLIT_PATTERNS)
+    raise DataError(
+        f"corpus folder {folder} has no recognised split files; expected one of {accepted}, "
+        f"but {_listing(folder)}")
+
+
+def _read_bytes(file: Path, split: str) -> bytes:
+    try:
+        return file.read_bytes()
+    except PermissionError:
+        raise DataError(
+            f"cannot read {split} file {file}: permission denied; make it readable "
+            f"(e.g. chmod a+r {file})") from None
+    except IsADirectoryError:
+        raise DataError(
+            f"{split} file {file} is a folder; it must be a UTF-8 text file with one "
+            "sentence per line") from None
+    except OSError as e:
+        raise DataError(f"cannot read {split} file {file}: {e.strerror or e}") from None
+
+
+def _decode(data: bytes, file: Path, split: str) -> str:
+    # A NUL byte is valid UTF-8 but never occurs in text, so it is the cheap sign of a
+    # binary file (an archive or a saved array) given by mistake.
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise DataError(
+            f"{split} file {file} is binary, not text (NUL byte at offset {nul}); it must be "
+            "UTF-8 text with one sentence per line")
+    try:
+        # utf-8-sig drops a byte-order mark that some editors write, which would otherwise
+        # stick to the first token.
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{split} file {file} is not UTF-8: byte 0x{data[e.start]:02x} at offset {e.start} "
+            "cannot be decoded; re-encode the file as UTF-8 (e.g. iconv -t UTF-8)") from None
+
+
+def _read_split(file: Path, split: str) -> list[str]:
+    """Reads one split file into sentences."""
+    text = _decode(_read_bytes(file, split), file, split)
+    # Split on "\n" only (str.splitlines would also break at form feeds and U+2028), so a
+    # sentence is exactly a line as `wc -l` counts it; strip() removes any "\r".
+    sentences = _sentences(text.split("\n"))
+    if not sentences:
+        raise DataError(
+            f"{split} split {file} has no sentences (it is empty or holds only blank lines); "
+            "it needs one sentence per line")
+    return sentences
+
+
+def read_text_dir(path: str | os.PathLike) -> Corpus:
+    """Reads a corpus folder of three text files, one sentence per line.
+
+    Args:
+        path: A folder holding train, valid and test files named by one of
+            :data:`SPLIT_PATTERNS`, e.g. ``ptb.train.txt`` or ``wiki.valid.tokens``.
+
+    Returns:
+        The corpus, named after the folder. Blank lines are dropped; other lines stripped.
+
+    Raises:
+        DataError: If the folder is missing or a file, no split names are recognised,
+            valid or test is missing, a file cannot be read, is binary or not UTF-8, or a
+            split holds no sentences.
+    """
+    folder = Path(path)
+    _check_folder(folder)
+    try:
+        files = _find_split_files(folder)
+    except PermissionError:
+        raise DataError(
+            f"cannot read corpus folder {folder}: permission denied; make it readable "
+            f"(e.g. chmod a+rx {folder})") from None
+    splits = {split: _read_split(file, split) for split, file in files.items()}
+    corpus = Corpus(name=Path(os.path.abspath(folder)).name, **splits)
+    logger.info("Read corpus %s from %s: %s sentences (train/valid/test)", corpus.name,
+                folder, "/".join(str(len(splits[s])) for s in SPLITS))
+    return corpus
+
+
+def resolve_named(name: str, *, input_dir: str | os.PathLike = "input") -> Corpus:
+    """Reads a known corpus from ``input_dir/<name>/``.
+
+    Args:
+        name: A known corpus name (``ptb``, ``wikitext-2``) or an alias (``wikitext2``).
+        input_dir: The folder that holds one subfolder per named corpus.
+
+    Returns:
+        The corpus, named by its canonical name.
+
+    Raises:
+        DataError: If the name is unknown, its folder is missing (the message says how to
+            download it), or the folder cannot be read (see :func:`read_text_dir`).
+    """
+    canonical = canonical_name(name)
+    if canonical is None:
+        raise DataError(
+            f"unknown corpus name {name!r}; expected one of: {_known_names()} (or pass "
+            "--data DIR or --data tfds:NAME)")
+    folder = Path(input_dir) / canonical
+    if not folder.exists():
+        flag = "" if str(input_dir) == "input" else f" --input-dir {input_dir}"
+        raise DataError(
+            f"corpus {canonical!r} is missing: {folder} does not exist; download it with: "
+            f"python scripts/download_data.py {canonical}{flag} (or pass --data DIR)")
+    return dataclasses.replace(read_text_dir(folder), name=canonical)
+
+
+def _tfds_builder(tfds, name: str, data_dir: str | None):
+    try:
+        return tfds.builder(name, data_dir=data_dir)
+    except tfds.core.DatasetNotFoundError:
+        raise DataError(
+            f"unknown TFDS dataset {name!r}; pass tfds:NAME with a text dataset from "
+            "tfds.list_builders(), e.g. tfds:tiny_shakespeare") from None
+    except ValueError as e:
+        # TFDS messages run to many lines (all configs, all datasets); keep the first.
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(
+            f"TFDS dataset {name!r} cannot be built: {first}; expected "
+            "NAME[/CONFIG][:VERSION], e.g. tiny_shakespeare") from None
+
+
+def _check_text_feature(tfds, builder, name: str) -> None:
+    features = builder.info.features
+    keys = list(features.keys()) if isinstance(features, tfds.features.FeaturesDict) else []
+    if "text" not in keys or not isinstance(features["text"], tfds.features.Text):
+        raise DataError(
+            f"TFDS dataset {name!r} has no 'text' feature (it has: {', '.join(keys) or 'none'}); "
+            "tfpar reads text datasets such as tiny_shakespeare or lm1b")
+
+
+def _tfds_split_name(builder, name: str, split: str) -> str:
+    """Picks the TFDS split for a Corpus split, checking it exists when TFDS knows."""
+    candidates = _TFDS_SPLITS[split]
+    # A builder knows its splits only once prepared (and not under tfds.testing.mock_data);
+    # otherwise the first candidate is tried and as_dataset reports what is wrong.
+    known = list(builder.info.splits.keys())
+    if not known:
+        return candidates[0]
+    for candidate in candidates:
+        if candidate in known:
+            return candidate
+    raise DataError(
+        f"TFDS dataset {name!r} has no {' or '.join(map(repr, candidates))} split; it has: "
+        f"{', '.join(known)}; tfpar needs train, validation and test splits")
+
+
+def _not_prepared(builder, name: str, data_dir: str | None) -> DataError:
+    where = data_dir or getattr(builder, "data_dir_root", None) or "TFDS's default data_dir"
+    arg = f", data_dir={data_dir!r}" if data_dir else ""
+    return DataError(
+        f"TFDS dataset {name!r} is not prepared in {where} and tfpar does not download during "
+        "training; prepare it online first with: python -c \"import tensorflow_datasets as "
+        f"tfds; tfds.load({name!r}{arg})\"")
+
+
+def _tfds_sentences(tfds, builder, name: str, split: str, data_dir: str | None) -> list[str]:
+    tfds_split = _tfds_split_name(builder, name, split)
+    try:
+        ds = builder.as_dataset(split=tfds_split, shuffle_files=False)
+    except AssertionError:
+        # TFDS signals "no prepared data in data_dir" with an AssertionError.
+        raise _not_prepared(builder, name, data_dir) from None
+    # Batching strings in TF first makes the Python loop run once per 1024 examples
+    # rather than once per example, which matters for lm1b's 30M sentences.
+    texts = ds.map(lambda example: example["text"]).batch(1024)
+    sentences: list[str] = []
+    for batch in tfds.as_numpy(texts):
+        for text in batch:
+            try:
+                sentences.extend(_sentences(text.decode("utf-8").split("\n")))
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"TFDS dataset {name!r} split {tfds_split!r} holds text that is not UTF-8 "
+                    f"(byte offset {e.start} of an example); tfpar needs UTF-8 text") from None
+    if not sentences:
+        raise DataError(
+            f"TFDS dataset {name!r} split {tfds_split!r} has no sentences (only blank text); "
+            "it needs non-blank lines of text")
+    return sentences
+
+
+def load_tfds(name: str, *, data_dir: str | None = None) -> Corpus:
+    """Reads a prepared TensorFlow Datasets text dataset; never downloads.
+
+    The dataset's examples must have a ``text`` feature (other features are ignored).
+    Each example's text is split on newlines into sentences, so tiny_shakespeare (one
+    example per split) gives one sentence per line of the play. TFDS splits ``train``,
+    ``validation`` (or ``valid``/``dev``) and ``test`` fill train, valid and test.
+
+    Args:
+        name: A TFDS name, ``NAME[/CONFIG][:VERSION]``, e.g. ``tiny_shakespeare``.
+        data_dir: TFDS data folder; None uses TFDS's default (``$TFDS_DATA_DIR`` or
+            ``~/tensorflow_datasets``).
+
+    Returns:
+        The corpus, named ``tfds:NAME``.
+
+    Raises:
+        DataError: If the dataset is unknown, has no ``text`` feature, lacks a split, or
+            is not prepared in ``data_dir`` (the message says how to prepare it online).
+    """
+    import tensorflow_datasets as tfds  # Imported here: it takes seconds and pulls in TF.
+
+    builder = _tfds_builder(tfds, name, data_dir)
+    _check_text_feature(tfds, builder, name)
+    splits = {split: _tfds_sentences(tfds, builder, name, split, data_dir) for split in SPLITS}
+    corpus = Corpus(name=f"{TFDS_PREFIX}{name}", **splits)
+    logger.info("Read TFDS corpus %s: %s sentences (train/valid/test)", name,
+                "/".join(str(len(splits[s])) for s in SPLITS))
+    return corpus
+
+
+def load_text_corpus(source: str, *, input_dir: str | os.PathLike = "input",
+                     tfds_data_dir: str | None = None) -> Corpus:
+    """Reads the corpus that ``--data SOURCE`` names.
+
+    Args:
+        source: ``tfds:NAME`` (see :func:`load_tfds`), a known corpus name found in
+            ``input_dir`` (see :func:`resolve_named`), or a folder path (see
+            :func:`read_text_dir`). ``synthetic`` is handled by the caller, not here.
+        input_dir: The folder that holds one subfolder per named corpus.
+        tfds_data_dir: TFDS data folder for ``tfds:NAME``; None uses TFDS's default.
+
+    Returns:
+        The corpus.
+
+    Raises:
+        DataError: If the source names nothing readable; the message says what would be.
+    """
+    if source.startswith(TFDS_PREFIX):
+        name = source[len(TFDS_PREFIX):]
+        if not name:
+            raise DataError(
+                f"data source {source!r} names no TFDS dataset; use tfds:NAME, "
+                "e.g. tfds:tiny_shakespeare")
+        return load_tfds(name, data_dir=tfds_data_dir)
+    if canonical_name(source) is not None:
+        return resolve_named(source, input_dir=input_dir)
+    if not os.path.exists(source):
+        raise DataError(
+            f"data source {source!r} is not a known corpus ({_known_names()}), not tfds:NAME "
+            "and not an existing folder; pass one of those")
+    return read_text_dir(source)

@@ -1,0 +1,121 @@
+"""Devices: logical CPU devices, device-name resolution and placement options.
+
+A host without GPUs can still run every multi-device path: TensorFlow can split the one
+physical CPU into N *logical* devices (``/cpu:0`` … ``/cpu:N-1``) that share its cores.
+They run the same kernels and the same communication code as separate GPUs would, so
+multi-device numerics and placement are exercised for real; only the speed-up is not.
+This must happen before TensorFlow initialises its devices, so scripts call
+:func:`configure_cpu_devices` first thing, and ``tests/conftest.py`` does it before any test.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import tensorflow as tf
+
+from tfpar.errors import ConfigError, DeviceError
+
+log = logging.getLogger(__name__)
+
+_SHORT = re.compile(r"^/?(?:device:)?(cpu|gpu|tpu):(\d+)$", re.IGNORECASE)
+
+
+def configure_cpu_devices(count: int) -> int:
+    """Splits the host CPU into ``count`` logical devices and returns how many exist.
+
+    Safe to call more than once: when TensorFlow has already initialised its devices,
+    the existing split is kept if it has at least ``count`` devices.
+
+    Raises:
+      DeviceError: the runtime is already initialised with fewer CPU devices.
+    """
+    cpus = tf.config.list_physical_devices("CPU")
+    try:
+        current = tf.config.get_logical_device_configuration(cpus[0]) or [None]
+        if len(current) < count:
+            tf.config.set_logical_device_configuration(
+                cpus[0], [tf.config.LogicalDeviceConfiguration() for _ in range(count)]
+            )
+    except RuntimeError:
+        pass  # Already initialised: what exists is checked below.
+    existing = len(tf.config.list_logical_devices("CPU"))
+    if existing < count:
+        raise DeviceError(
+            f"{count} logical CPU devices were asked for, but TensorFlow was already "
+            f"initialised with {existing}; set --cpu-devices before anything runs on TensorFlow"
+        )
+    return existing
+
+
+def num_gpus() -> int:
+    return len(tf.config.list_physical_devices("GPU"))
+
+
+def canonical(name: str) -> str:
+    """'/gpu:1', 'GPU:1', '/device:GPU:1' → '/device:GPU:1'; full names pass through."""
+    m = _SHORT.match(name.strip())
+    if m:
+        return f"/device:{m.group(1).upper()}:{m.group(2)}"
+    return name.strip()
+
+
+def available_devices() -> list[str]:
+    """Short names of every logical device, e.g. ['/cpu:0', '/cpu:1', '/gpu:0']."""
+    names = []
+    for d in tf.config.list_logical_devices():
+        kind, index = d.name.split("device:")[-1].split(":")
+        names.append(f"/{kind.lower()}:{index}")
+    return names
+
+
+def resolve_devices(requested: tuple[str, ...]) -> list[str]:
+    """Checks that every requested device exists and returns canonical names.
+
+    Raises:
+      DeviceError: a device does not exist; the message lists the devices that do.
+    """
+    have = {canonical(n).lower(): n for n in available_devices()}
+    out = []
+    for name in requested:
+        if not _SHORT.match(name.strip()):
+            raise DeviceError(f"cannot parse device name {name!r}; use a form like /cpu:0 or /gpu:1")
+        if canonical(name).lower() not in have:
+            raise DeviceError(
+                f"device {name!r} does not exist on this host; available: "
+                f"{', '.join(available_devices())} (split the CPU with --cpu-devices N)"
+            )
+        out.append(canonical(name))
+    if len(set(out)) != len(out):
+        raise DeviceError(f"--devices lists a device twice: {','.join(requested)}")
+    return out
+
+
+def default_devices(count: int) -> list[str]:
+    """``count`` devices for a multi-device strategy: GPUs when there are enough, else
+    logical CPUs (which must have been configured)."""
+    gpus = num_gpus()
+    if gpus >= count:
+        return [f"/device:GPU:{i}" for i in range(count)]
+    cpus = len(tf.config.list_logical_devices("CPU"))
+    if cpus < count:
+        raise DeviceError(
+            f"{count} devices were asked for but this host has {gpus} GPUs and {cpus} logical "
+            f"CPU devices; pass --cpu-devices {count}"
+        )
+    return [f"/device:CPU:{i}" for i in range(count)]
+
+
+def set_placement_options(*, log_placement: bool, soft_placement: bool) -> None:
+    """TensorFlow's placement log and soft placement (``allow_soft_placement`` in TF1)."""
+    tf.debugging.set_log_device_placement(log_placement)
+    tf.config.set_soft_device_placement(soft_placement)
+
+
+def parse_device_list(text: str) -> tuple[str, ...]:
+    """'/gpu:0,/gpu:1' → ('/gpu:0', '/gpu:1'); empty text → ()."""
+    items = tuple(p.strip() for p in text.split(",") if p.strip())
+    if text.strip() and not items:
+        raise ConfigError(f"--devices {text!r} names no device; use a form like /cpu:0,/cpu:1")
+    return items

@@ -1,0 +1,49 @@
+"""Token-weighted language-model loss, the one place its math lives.
+
+A replica returns ``(nll_sum, token_count)``; nothing is divided until the sums of every
+replica (and every batch of a split) are in. Perplexity is
+``exp(total_nll / total_tokens)`` over a whole split, never a mean of batch means.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tensorflow as tf
+
+from tfpar.vocab import PAD_ID
+
+
+def token_mask(targets: tf.Tensor) -> tf.Tensor:
+    """1.0 where ``targets`` [B, T] holds a real token, 0.0 at padding."""
+    return tf.cast(tf.not_equal(targets, PAD_ID), tf.float32)
+
+
+def token_count(targets: tf.Tensor) -> tf.Tensor:
+    """Number of real (non-pad) target tokens in ``targets`` [B, T], as float32."""
+    return tf.reduce_sum(token_mask(targets))
+
+
+def nll_sum_and_count(logits: tf.Tensor, targets: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """Summed negative log-likelihood of the real tokens, and how many there are.
+
+    Args:
+      logits: [B, T, V] float, unnormalised next-token scores.
+      targets: [B, T] int, next-token ids; ``PAD_ID`` marks padding.
+
+    Returns:
+      ``(nll_sum, count)``, float32 scalars. A batch with no real tokens gives ``(0, 0)``.
+    """
+    # Fused log-softmax + cross-entropy: never materialises the [B, T, V] probabilities.
+    nll = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=tf.cast(targets, tf.int32), logits=tf.cast(logits, tf.float32)
+    )
+    mask = token_mask(targets)
+    return tf.reduce_sum(nll * mask), tf.reduce_sum(mask)
+
+
+def perplexity(nll_sum: float, count: float) -> float:
+    """``exp(nll_sum / count)``; ``nan`` when there are no tokens."""
+    if count <= 0:
+        return float("nan")
+    return math.exp(nll_sum / count)

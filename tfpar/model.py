@@ -1,0 +1,121 @@
+"""The Keras 3 RNN language model.
+
+``inputs`` [B, T] int32 → embedding (``mask_zero``) → ``layers`` × LSTM/GRU → dropout →
+dense softmax logits [B, T, V]. Every part has its own layer name (``embedding``,
+``rnn_0`` … ``rnn_{L-1}``, ``softmax``) so the pipeline strategy can place parts on
+devices by name. The call also takes and returns the recurrent state, so stream mode can
+carry it across windows and generation can feed one token at a time.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tfpar.config import ModelConfig
+
+EMBEDDING, SOFTMAX = "embedding", "softmax"
+
+
+def rnn_name(i: int) -> str:
+    return f"rnn_{i}"
+
+
+class RNNLanguageModel(keras.Model):
+    """Embedding → stacked RNN → softmax; see the module docstring."""
+
+    def __init__(self, config: ModelConfig, vocab_size: int, *, seed: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.config = config
+        self.vocab_size = vocab_size
+        init = _initializer(config.init_scale, seed)
+        self.embedding = keras.layers.Embedding(
+            vocab_size, config.embed_dim, mask_zero=True, name=EMBEDDING,
+            embeddings_initializer=init or "uniform",
+        )
+        rnn_cls = keras.layers.LSTM if config.cell == "lstm" else keras.layers.GRU
+        self.rnns = [
+            rnn_cls(
+                config.hidden_dim, return_sequences=True, return_state=True, name=rnn_name(i),
+                **({"kernel_initializer": init, "recurrent_initializer": init} if init else {}),
+            )
+            for i in range(config.layers)
+        ]
+        self.dropouts = [
+            keras.layers.Dropout(config.dropout, seed=seed + i, name=f"dropout_{i}")
+            for i in range(config.layers + 1)
+        ]
+        if config.tie_embeddings:
+            self.softmax = TiedSoftmax(self.embedding, name=SOFTMAX)
+        else:
+            self.softmax = keras.layers.Dense(
+                vocab_size, name=SOFTMAX, **({"kernel_initializer": init} if init else {})
+            )
+
+    @property
+    def state_size(self) -> int:
+        """Tensors of state per layer: 2 for LSTM (h, c), 1 for GRU."""
+        return 2 if self.config.cell == "lstm" else 1
+
+    def embed(self, inputs, training=False):
+        """[B, T] ids → ([B, T, E] vectors, [B, T] bool mask)."""
+        x = self.embedding(inputs)
+        return self.dropouts[0](x, training=training), tf.not_equal(inputs, 0)
+
+    def run_rnn(self, i: int, x, mask, state=None, training=False):
+        """Layer ``i``: [B, T, D] → ([B, T, H], its final state as a list)."""
+        out = self.rnns[i](x, mask=mask, initial_state=state, training=training)
+        seq, final = out[0], list(out[1:])
+        return self.dropouts[i + 1](seq, training=training), final
+
+    def call(self, inputs, initial_state=None, training=False):
+        """Runs the model.
+
+        Args:
+          inputs: [B, T] int token ids, 0 = padding (right-padded).
+          initial_state: None (zeros) or a list with one entry per layer, each a list of
+            [B, H] tensors (``state_size`` of them).
+          training: enables dropout.
+
+        Returns:
+          ``(logits [B, T, V], final_state)`` with ``final_state`` shaped like
+          ``initial_state``.
+        """
+        x, mask = self.embed(inputs, training=training)
+        finals = []
+        for i in range(len(self.rnns)):
+            x, final = self.run_rnn(
+                i, x, mask, None if initial_state is None else initial_state[i], training
+            )
+            finals.append(final)
+        return self.softmax(x), finals
+
+
+class TiedSoftmax(keras.layers.Layer):
+    """Logits ``h @ E^T + b`` that reuse the embedding matrix ``E`` (Press & Wolf, 2017)."""
+
+    def __init__(self, embedding: keras.layers.Embedding, **kwargs):
+        super().__init__(**kwargs)
+        self._embedding = embedding
+
+    def build(self, input_shape):
+        self.bias = self.add_weight(
+            shape=(self._embedding.input_dim,), initializer="zeros", name="bias"
+        )
+
+    def call(self, x):
+        return tf.matmul(x, self._embedding.embeddings, transpose_b=True) + self.bias
+
+
+def _initializer(scale: float, seed: int):
+    if not scale:
+        return None
+    return keras.initializers.RandomUniform(-scale, scale, seed=seed)
+
+
+def build_model(config: ModelConfig, vocab_size: int, *, seed: int = 0) -> RNNLanguageModel:
+    """Creates the model and its variables (call inside the strategy's scope)."""
+    keras.utils.set_random_seed(seed)
+    model = RNNLanguageModel(config, vocab_size, seed=seed, name="rnn_lm")
+    model(tf.zeros([1, 1], tf.int32))
+    return model

@@ -1,0 +1,49 @@
+"""Strategy plug-ins by name; :func:`build_strategy` is the one way to get one.
+
+Each plug-in lives in its own module and registers a builder here. "No distribution"
+is the ``default`` plug-in (TF's default strategy), never ``None``, so callers never branch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from tfpar.config import DistConfig
+from tfpar.errors import ConfigError
+from tfpar.strategies import distribute
+from tfpar.strategies.base import StrategyPlugin
+
+# name -> builder(DistConfig) -> StrategyPlugin
+STRATEGIES: dict[str, Callable[[DistConfig], StrategyPlugin]] = {
+    "default": distribute.build_default,
+    "one_device": distribute.build_one_device,
+    "mirrored": distribute.build_mirrored,
+}
+
+
+def build_strategy(dist: DistConfig) -> StrategyPlugin:
+    """Builds the plug-in named by ``dist.strategy``.
+
+    Raises:
+      ConfigError: the name is unknown (the message lists the known ones).
+    """
+    try:
+        builder = STRATEGIES[dist.strategy]
+    except KeyError:
+        raise ConfigError(
+            f"unknown strategy {dist.strategy!r}; expected one of: {', '.join(STRATEGIES)}"
+        ) from None
+    return builder(dist)
+
+
+def cpu_devices_needed(dist: DistConfig) -> int:
+    """Logical CPU devices to create before TF starts, for this distribution config."""
+    if dist.cpu_devices:
+        return dist.cpu_devices
+    needed = 1
+    for name in dist.devices:
+        if name.strip().lower().lstrip("/").startswith("cpu:"):
+            needed = max(needed, int(name.rsplit(":", 1)[1]) + 1)
+    if dist.strategy in ("mirrored", "tower", "pipeline", "multi_worker"):
+        needed = max(needed, 2)
+    return needed
