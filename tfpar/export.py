@@ -5,14 +5,35 @@ written into a hidden temporary folder next to it and renamed into place, so a r
 never sees a half-written version. The export is built from a fresh copy of the model
 made outside any strategy scope, so a model trained under any strategy exports the same.
 
-Signatures:
-  serving_default: ``token_ids`` [B, T] int32 → ``log_probs`` [B, T, V] float32, the
-    next-token log-probabilities at every position (0 = padding).
-The vocabulary travels with the model as the asset ``vocab.txt`` (line number = id).
+Signatures (their names, inputs and outputs are the serving contract):
+
+  serving_default
+    in:  ``token_ids`` int32 [B, T], 0 = padding, every id < V
+    out: ``log_probs`` float32 [B, T, V], next-token log-probabilities at every position
+  score
+    in:  ``text`` string [B], whitespace-separated words
+    out: ``nll`` float32 [B] (summed negative log-likelihood, nats),
+         ``tokens`` int32 [B] (predicted tokens: words + 1),
+         ``perplexity`` float32 [B] (``exp(nll / tokens)``)
+    A text ``w1 … wn`` is scored as in sentence-mode evaluation: inputs ``<eos> w1 … wn``,
+    targets ``w1 … wn <eos>``; unknown words are ``<unk>``. Unlike evaluation, a text
+    longer than ``--max-length`` is scored whole (the state is never reset).
+  generate
+    in:  ``prompt`` string [B], ``max_tokens`` int32 [], ``temperature`` float32 [],
+         ``top_k`` int32 [], ``seed`` int32 []
+    out: ``text`` string [B], the continuation only (without the prompt), at most
+         ``max_tokens`` words, ending before ``<eos>``. ``temperature`` 0 or ``top_k`` 1:
+         greedy; ``top_k`` 0: no top-k cut. The same seed gives the same text
+         (see ``tfpar.sample``).
+
+Tokenisation and vocabulary lookups run inside the graph; the vocabulary travels with
+the model as the asset ``vocab.txt`` (line number = id). Loading needs only TensorFlow:
+``tf.saved_model.load(path).signatures["score"](text=tf.constant(["a b"]))``.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -21,16 +42,19 @@ import tempfile
 
 import tensorflow as tf
 
+from tfpar import sample
 from tfpar.config import Config
 from tfpar.errors import CheckpointError
+from tfpar.losses import token_mask
 from tfpar.model import build_model
-from tfpar.vocab import UNK_ID, Vocab
+from tfpar.vocab import EOS_ID, PAD_ID, UNK_ID, Vocab
 
 log = logging.getLogger(__name__)
+SIGNATURES = ("serving_default", "score", "generate")
 
 
 class LanguageModelModule(tf.Module):
-    """What the SavedModel holds: the model, the vocabulary table and the signatures."""
+    """What the SavedModel holds: the model, the vocabulary tables and the signatures."""
 
     def __init__(self, model, vocab_file: str):
         super().__init__()
@@ -43,6 +67,13 @@ class LanguageModelModule(tf.Module):
                 tf.int64, tf.lookup.TextFileIndex.LINE_NUMBER,
             ),
             default_value=UNK_ID,
+        )
+        self.words = tf.lookup.StaticHashTable(
+            tf.lookup.TextFileInitializer(
+                self.vocab_asset, tf.int64, tf.lookup.TextFileIndex.LINE_NUMBER,
+                tf.string, tf.lookup.TextFileIndex.WHOLE_LINE,
+            ),
+            default_value="<unk>",
         )
 
     @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32, name="token_ids")])
@@ -59,8 +90,48 @@ class LanguageModelModule(tf.Module):
             logits, _ = self.model(token_ids)
         return {"log_probs": tf.nn.log_softmax(logits)}
 
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
+    def score(self, text):
+        """[B] texts → {"nll": [B] float32, "tokens": [B] int32, "perplexity": [B] float32}."""
+        ids = sample.word_ids(text, self.table)
+        eos = tf.RaggedTensor.from_tensor(tf.fill([ids.nrows(), 1], EOS_ID))
+        full = tf.concat([eos, ids, eos], axis=1)
+        inputs = full[:, :-1].to_tensor(default_value=PAD_ID)
+        targets = full[:, 1:].to_tensor(default_value=PAD_ID)
+        logits, _ = self.model(inputs)
+        nll = tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=targets, logits=tf.cast(logits, tf.float32))
+        mask = token_mask(targets)
+        nll = tf.reduce_sum(nll * mask, axis=1)
+        tokens = tf.reduce_sum(mask, axis=1)
+        return {"nll": nll, "tokens": tf.cast(tokens, tf.int32),
+                "perplexity": tf.exp(nll / tokens)}
+
+    @tf.function(input_signature=[
+        tf.TensorSpec([None], tf.string, name="prompt"),
+        tf.TensorSpec([], tf.int32, name="max_tokens"),
+        tf.TensorSpec([], tf.float32, name="temperature"),
+        tf.TensorSpec([], tf.int32, name="top_k"),
+        tf.TensorSpec([], tf.int32, name="seed"),
+    ])
+    def generate(self, prompt, max_tokens, temperature, top_k, seed):
+        """[B] prompts → {"text": [B] continuations}; see the module docstring."""
+        checks = [
+            tf.debugging.assert_non_negative(max_tokens, message="max_tokens must be >= 0"),
+            tf.debugging.assert_non_negative(
+                temperature, message="temperature must be >= 0 (0 is greedy)"),
+            tf.debugging.assert_non_negative(
+                top_k, message="top_k must be >= 0 (0 keeps every token, 1 is greedy)"),
+        ]
+        with tf.control_dependencies(checks):
+            ids, lengths = sample.prompt_ids(prompt, self.table)
+        out = sample.generate_ids(self.model, ids, lengths, max_tokens=max_tokens,
+                                  temperature=temperature, top_k=top_k, seed=seed)
+        return {"text": sample.ids_to_text(out, self.words)}
+
     def signatures(self) -> dict:
-        return {"serving_default": self.serving_default}
+        return {"serving_default": self.serving_default, "score": self.score,
+                "generate": self.generate}
 
 
 def next_version(base: str) -> int:
@@ -86,6 +157,7 @@ def export_model(model, vocab: Vocab, config: Config) -> str:
         half-written is left behind.
     """
     base = os.path.join(config.run.export_dir, config.run.export_name)
+    created = not os.path.isdir(base)
     try:
         os.makedirs(base, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=".staging-", dir=base)
@@ -99,13 +171,93 @@ def export_model(model, vocab: Vocab, config: Config) -> str:
                                      os.path.join(staging, "vocab.txt"))
         out = os.path.join(staging, "model")
         tf.saved_model.save(module, out, signatures=module.signatures())
-        version = next_version(base)
-        final = os.path.join(base, str(version))
-        os.rename(out, final)
-    except OSError as e:
+        final = _rename_to_next_version(out, base)
+    except (OSError, tf.errors.OpError) as e:
         raise CheckpointError(
-            f"export to {base!r} failed: {e.strerror or e}; nothing was written") from None
+            f"export to {base!r} failed: {_one_line(e)}; nothing was written") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    log.info("exported SavedModel version %d to %s", version, final)
+        if created and os.path.isdir(base) and not os.listdir(base):
+            os.rmdir(base)
+    log.info("exported SavedModel to %s", final)
     return final
+
+
+def _rename_to_next_version(out: str, base: str, attempts: int = 5) -> str:
+    """Renames ``out`` to ``base/<next version>``; retries if another export took it."""
+    for _ in range(attempts):
+        final = os.path.join(base, str(next_version(base)))
+        try:
+            os.rename(out, final)
+            return final
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+    raise OSError(errno.EEXIST, f"another export keeps taking the next version in {base}")
+
+
+# ----------------------------------------------------------------------------- loading
+def resolve_saved_model(path: str) -> str:
+    """A version dir as given, or a name dir's highest version.
+
+    Raises:
+      CheckpointError: ``path`` is neither (the message says what was found).
+    """
+    if os.path.isfile(os.path.join(path, "saved_model.pb")):
+        return path
+    if not os.path.isdir(path):
+        raise CheckpointError(f"--model {path!r} does not exist; give a SavedModel version "
+                              "dir (saved_models/<name>/<version>) or its name dir")
+    versions = [int(n) for n in os.listdir(path) if re.fullmatch(r"\d+", n)
+                and os.path.isfile(os.path.join(path, n, "saved_model.pb"))]
+    if not versions:
+        raise CheckpointError(f"--model {path!r} holds no SavedModel (no saved_model.pb, no "
+                              "numbered version folders); give saved_models/<name>/<version>")
+    return os.path.join(path, str(max(versions)))
+
+
+def load_saved_model(path: str):
+    """Loads ``path`` (see :func:`resolve_saved_model`) and checks its signatures.
+
+    Returns:
+      ``(loaded, version_dir)``.
+    """
+    version_dir = resolve_saved_model(path)
+    try:
+        loaded = tf.saved_model.load(version_dir)
+    except (OSError, ValueError, tf.errors.OpError) as e:
+        raise CheckpointError(
+            f"cannot load SavedModel {version_dir!r}: {_one_line(e)}") from None
+    missing = [s for s in SIGNATURES if s not in loaded.signatures]
+    if missing:
+        raise CheckpointError(f"SavedModel {version_dir!r} lacks the signature(s) "
+                              f"{', '.join(missing)}; re-export it with this tfpar")
+    return loaded, version_dir
+
+
+def _one_line(e: Exception) -> str:
+    """An exception's reason on one line (TF errors can span many)."""
+    text = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+# ----------------------------------------------------------------------------- clients
+def generate_text(loaded, prompts: list[str], *, max_tokens: int, temperature: float,
+                  top_k: int, seed: int) -> list[str]:
+    """Calls a loaded SavedModel's ``generate`` signature; returns the continuations."""
+    out = loaded.signatures["generate"](
+        prompt=tf.constant(prompts, tf.string), max_tokens=tf.constant(max_tokens, tf.int32),
+        temperature=tf.constant(temperature, tf.float32), top_k=tf.constant(top_k, tf.int32),
+        seed=tf.constant(seed, tf.int32))
+    return [t.decode("utf-8") for t in out["text"].numpy()]
+
+
+def score_lines(loaded, lines: list[str], batch_size: int = 64) -> tuple[float, float]:
+    """Total (nll, tokens) of ``lines`` by a loaded SavedModel's ``score`` signature;
+    the perplexity is ``exp(nll / tokens)``."""
+    nll = tokens = 0.0
+    for start in range(0, len(lines), batch_size):
+        out = loaded.signatures["score"](text=tf.constant(lines[start:start + batch_size]))
+        nll += float(out["nll"].numpy().astype("float64").sum())
+        tokens += float(out["tokens"].numpy().sum())
+    return nll, tokens

@@ -34,23 +34,40 @@ class RNNLanguageModel(keras.Model):
             embeddings_initializer=init or "uniform",
         )
         rnn_cls = keras.layers.LSTM if config.cell == "lstm" else keras.layers.GRU
-        self.rnns = [
-            rnn_cls(
+        # Each layer is its own attribute, not a list element: Keras 3 keeps lists in
+        # its own tracked collections, which tf.train.Checkpoint does not see, so layers
+        # held only in a list would silently be left out of every checkpoint.
+        for i in range(config.layers):
+            setattr(self, rnn_name(i), rnn_cls(
                 config.hidden_dim, return_sequences=True, return_state=True, name=rnn_name(i),
                 **({"kernel_initializer": init, "recurrent_initializer": init} if init else {}),
-            )
-            for i in range(config.layers)
-        ]
-        self.dropouts = [
-            keras.layers.Dropout(config.dropout, seed=seed + i, name=f"dropout_{i}")
-            for i in range(config.layers + 1)
-        ]
+            ))
+        for i in range(config.layers + 1):
+            setattr(self, f"dropout_{i}",
+                    keras.layers.Dropout(config.dropout, seed=seed + i, name=f"dropout_{i}"))
         if config.tie_embeddings:
             self.softmax = TiedSoftmax(self.embedding, name=SOFTMAX)
         else:
             self.softmax = keras.layers.Dense(
                 vocab_size, name=SOFTMAX, **({"kernel_initializer": init} if init else {})
             )
+
+    @property
+    def rnns(self) -> list:
+        return [getattr(self, rnn_name(i)) for i in range(self.config.layers)]
+
+    @property
+    def dropouts(self) -> list:
+        return [getattr(self, f"dropout_{i}") for i in range(self.config.layers + 1)]
+
+    def seed_states(self) -> dict:
+        """The dropout layers' RNG state variables, by layer name.
+
+        Keras keeps them out of the layer's checkpoint dependencies; the training
+        checkpoint adds them explicitly so a resumed run draws the same dropout masks.
+        """
+        return {d.name: d.seed_generator.state for d in self.dropouts
+                if getattr(d, "seed_generator", None) is not None}
 
     @property
     def state_size(self) -> int:
@@ -97,6 +114,7 @@ class TiedSoftmax(keras.layers.Layer):
     def __init__(self, embedding: keras.layers.Embedding, **kwargs):
         super().__init__(**kwargs)
         self._embedding = embedding
+        self.supports_masking = True
 
     def build(self, input_shape):
         self.bias = self.add_weight(

@@ -29,7 +29,7 @@ import tensorflow as tf
 from tfpar import checkpoints, summaries
 from tfpar.config import Config
 from tfpar.data import LoadedCorpus, load_corpus
-from tfpar.errors import TfparError
+from tfpar.errors import ConfigError, TfparError
 from tfpar.input_pipeline import InputData
 from tfpar.losses import perplexity
 from tfpar.model import build_model
@@ -114,6 +114,17 @@ def evaluate(plugin: StrategyPlugin, eval_step, data: InputData, split: str,
     return nll, count
 
 
+def check_batch_sizes(config: Config, num_replicas: int) -> None:
+    """Every replica must get at least one row of every full global batch."""
+    for flag, size in (("--batch-size", config.train.batch_size),
+                       ("--eval-batch-size", config.train.global_eval_batch_size)):
+        if size < num_replicas:
+            raise ConfigError(
+                f"{flag} {size} is a global batch smaller than the {num_replicas} replicas of "
+                f"--strategy {config.dist.strategy}; use {flag} >= {num_replicas}"
+            )
+
+
 def prepare_vocab(config: Config, corpus: LoadedCorpus, model_dir: str, is_chief: bool) -> Vocab:
     """The train vocabulary; a resumed run checks it against the one saved beside its
     checkpoints, so ids cannot silently change."""
@@ -136,6 +147,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
         tf.config.experimental.enable_op_determinism()
     plugin = build_strategy(config.dist)
     log.info("strategy %s", plugin.describe())
+    check_batch_sizes(config, plugin.num_replicas)
     model_dir = checkpoints.prepare_model_dir(config, plugin.is_chief)
     corpus = load_corpus(config.data, seed=config.train.seed)
     vocab = prepare_vocab(config, corpus, model_dir, plugin.is_chief)
@@ -155,12 +167,16 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     ckpt = checkpoints.Checkpointer(
         model_dir, plugin.is_chief, config.run.keep_checkpoints,
         model=model, optimizer=optimizer, epoch=epoch_var, batch_in_epoch=batch_var,
+        rng=model.seed_states(),
     )
     ckpt.restore_latest()
     writer = summaries.Writer(model_dir, plugin.is_chief)
     writer.config_text(config)
+    writer.enable_inspection(config, vocab, data)  # per-epoch gradient norms, text samples
 
     train_step = plugin.make_train_step(model, optimizer, clip_norm=config.train.clip_norm)
+    train_step = writer.instrument(  # writes the step's graph; --profile-steps
+        train_step, lambda: int(optimizer.iterations.numpy()) + 1, config.run.profile_steps)
     eval_step = plugin.make_eval_step(model)
     loop = _Loop(config, plugin, data, model, optimizer, ckpt, writer, train_step,
                  epoch_var, batch_var)
@@ -222,7 +238,7 @@ class _Loop:
         ppl = perplexity(nll, count)
         log.info("epoch %d: valid perplexity %.2f", epoch + 1, ppl)
         self.writer.scalars("eval", {"perplexity": ppl, "epoch": epoch + 1}, self.step)
-        self.writer.histograms(self.model, self.step)
+        self.writer.end_epoch(self.model, self.step)
         self.epoch_var.assign(epoch + 1)
         self.batch_var.assign(0)
         self.ckpt.save(self.step)

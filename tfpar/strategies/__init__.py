@@ -11,6 +11,7 @@ from typing import Callable
 from tfpar.config import DistConfig
 from tfpar.errors import ConfigError
 from tfpar.strategies import distribute
+from tfpar.strategies import tower
 from tfpar.strategies.base import StrategyPlugin
 
 # name -> builder(DistConfig) -> StrategyPlugin
@@ -18,6 +19,7 @@ STRATEGIES: dict[str, Callable[[DistConfig], StrategyPlugin]] = {
     "default": distribute.build_default,
     "one_device": distribute.build_one_device,
     "mirrored": distribute.build_mirrored,
+    "tower": tower.build_tower,
 }
 
 

@@ -1,0 +1,64 @@
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfpar.config import ModelConfig
+from tfpar.model import build_model
+
+
+@pytest.mark.parametrize("cell,layers", [("lstm", 1), ("gru", 2), ("lstm", 3)])
+def test_shapes_and_named_parts(cell, layers):
+    model = build_model(ModelConfig(cell=cell, layers=layers, embed_dim=8, hidden_dim=12), 30)
+    logits, state = model(tf.constant([[2, 3, 4, 0], [2, 5, 0, 0]]))
+    assert logits.shape == (2, 4, 30)
+    assert len(state) == layers
+    assert all(len(s) == (2 if cell == "lstm" else 1) for s in state)
+    assert all(t.shape == (2, 12) for s in state for t in s)
+    names = {v.path.split("/")[1] for v in model.trainable_variables}
+    assert names == {"embedding", "softmax"} | {f"rnn_{i}" for i in range(layers)}
+
+
+def test_same_seed_same_weights_other_seed_other_weights():
+    cfg = ModelConfig(embed_dim=8, hidden_dim=8)
+    a, b, c = build_model(cfg, 20, seed=1), build_model(cfg, 20, seed=1), build_model(cfg, 20, seed=2)
+    assert all(np.array_equal(x, y) for x, y in zip(a.get_weights(), b.get_weights()))
+    assert not all(np.array_equal(x, y) for x, y in zip(a.get_weights(), c.get_weights()))
+
+
+def test_padding_does_not_change_real_positions_or_final_state():
+    model = build_model(ModelConfig(embed_dim=8, hidden_dim=8), 20)
+    short, short_state = model(tf.constant([[2, 3, 4]]))
+    padded, padded_state = model(tf.constant([[2, 3, 4, 0, 0]]))
+    np.testing.assert_allclose(padded[:, :3].numpy(), short.numpy(), atol=1e-6)
+    for a, b in zip(short_state[0], padded_state[0]):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6)
+
+
+def test_state_carries_across_windows():
+    model = build_model(ModelConfig(embed_dim=8, hidden_dim=8, layers=2), 20)
+    full, _ = model(tf.constant([[2, 3, 4, 5, 6, 7]]))
+    first, state = model(tf.constant([[2, 3, 4]]))
+    second, _ = model(tf.constant([[5, 6, 7]]), initial_state=state)
+    np.testing.assert_allclose(np.concatenate([first, second], 1), full.numpy(), atol=1e-5)
+
+
+def test_tied_embeddings_share_the_matrix():
+    model = build_model(ModelConfig(embed_dim=8, hidden_dim=8, tie_embeddings=True), 20)
+    paths = [v.path for v in model.trainable_variables]
+    assert "rnn_lm/softmax/kernel" not in paths and "rnn_lm/softmax/bias" in paths
+
+
+def test_every_layer_is_in_a_checkpoint(tmp_path):
+    model = build_model(ModelConfig(embed_dim=8, hidden_dim=8, layers=2, dropout=0.1), 20)
+    model(tf.constant([[2, 3]]), training=True)  # advances the dropout RNG
+    path = tf.train.Checkpoint(model=model, rng=model.seed_states()).save(str(tmp_path / "ckpt"))
+    saved = tf.train.load_checkpoint(path).get_variable_to_shape_map()
+    for name in ("model/rnn_0/", "model/rnn_1/", "model/embedding/", "model/softmax/",
+                 "rng/dropout_1/"):
+        assert any(k.startswith(name) for k in saved), name
+    copy = build_model(ModelConfig(embed_dim=8, hidden_dim=8, layers=2, dropout=0.1), 20, seed=9)
+    tf.train.Checkpoint(model=copy, rng=copy.seed_states()).restore(
+        path).assert_existing_objects_matched()
+    assert all(np.array_equal(x, y) for x, y in zip(model.get_weights(), copy.get_weights()))
+    for name, state in model.seed_states().items():
+        np.testing.assert_array_equal(state.numpy(), copy.seed_states()[name].numpy())

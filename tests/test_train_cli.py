@@ -1,0 +1,153 @@
+"""End-to-end runs of scripts/train.py (in-process) and its one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import REPO
+from tfpar.cli import train_main
+
+EXPECTED_KEYS = {"strategy", "replicas", "devices", "steps", "tokens_per_sec", "train_ppl",
+                 "valid_ppl", "test_ppl", "unigram_valid_ppl", "export_path"}
+
+
+@pytest.mark.parametrize("strategy", ["default", "one_device", "mirrored"])
+def test_each_strategy_trains_evaluates_and_exports(strategy, tiny_args, tmp_path):
+    assert train_main(tiny_args + ["--strategy", strategy]) == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert EXPECTED_KEYS <= set(metrics)
+    assert metrics["strategy"] == strategy
+    assert metrics["replicas"] == (2 if strategy == "mirrored" else 1)
+    assert metrics["steps"] == 6
+    assert np.isfinite(metrics["valid_ppl"]) and np.isfinite(metrics["test_ppl"])
+    assert metrics["export_path"].endswith(os.path.join("tfpar_lm", "1"))
+    assert os.path.exists(os.path.join(metrics["export_path"], "saved_model.pb"))
+    events = os.listdir(tmp_path / "run" / "train")
+    assert any(e.startswith("events.out.tfevents") for e in events)
+
+
+def test_rerun_resumes_from_the_checkpoint(tiny_args, tmp_path):
+    assert train_main(tiny_args + ["--no-export"]) == 0
+    args = [a if a != "6" else "9" for a in tiny_args]  # --max-steps 9
+    assert train_main(args + ["--no-export"]) == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["steps"] == 9
+    ckpts = tf.train.get_checkpoint_state(str(tmp_path / "run" / "checkpoints"))
+    assert ckpts.model_checkpoint_path.endswith("-9")
+
+
+def test_resume_with_another_model_size_is_refused(tiny_args, tmp_path, capsys):
+    assert train_main(tiny_args + ["--no-export"]) == 0
+    capsys.readouterr()
+    code, err = cli_error(tiny_args + ["--no-export", "--hidden-dim", "32"], capsys)
+    assert code == 2
+    assert err.startswith("error: cannot resume")
+    assert "model.hidden_dim: checkpoint has 16, this run asks for 32" in err
+
+
+def test_export_reloads_with_the_same_log_probs(tiny_args, tmp_path):
+    from tfpar.config import ModelConfig
+    from tfpar.model import build_model
+    from tfpar.vocab import Vocab
+
+    assert train_main(tiny_args) == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    loaded = tf.saved_model.load(metrics["export_path"])
+    vocab = Vocab.load(tmp_path / "run" / "vocab.txt")
+    model = build_model(ModelConfig(embed_dim=16, hidden_dim=16), len(vocab))
+    tf.train.Checkpoint(model=model).restore(
+        tf.train.latest_checkpoint(str(tmp_path / "run" / "checkpoints"))).expect_partial()
+    ids = tf.constant([[2, 5, 7, 0], [2, 3, 4, 6]], tf.int32)
+    served = loaded.signatures["serving_default"](token_ids=ids)["log_probs"].numpy()
+    logits, _ = model(ids)
+    np.testing.assert_allclose(served, tf.nn.log_softmax(logits).numpy(), atol=1e-5)
+    assert served.shape == (2, 4, len(vocab))
+
+
+def cli_error(argv, capsys):
+    """Runs train.py in-process; returns (exit code, the last line on stderr).
+
+    Log lines come before it; the error is always the last line, and alone on it.
+    """
+    code = train_main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    return code, lines[-1] if lines else ""
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--strategy", "bogus"], "error: unknown strategy 'bogus'; expected one of: default, "),
+    (["--strategy", "mirrored", "--all-reduce", "nccl"],
+     "error: --all-reduce nccl needs 2 or more GPUs but this run's devices are "),
+    (["--strategy", "mirrored", "--devices", "/gpu:7"],
+     "error: device '/gpu:7' does not exist on this host; available: /cpu:0, /cpu:1"),
+    (["--strategy", "mirrored", "--batch-size", "1"],
+     "error: --batch-size 1 is a global batch smaller than the 2 replicas of --strategy "
+     "mirrored; use --batch-size >= 2"),
+    (["--all-reduce", "magic"], "error: unknown all-reduce 'magic'; expected one of: auto, "),
+    (["--cell", "rnn"], "error: unknown cell 'rnn'; expected one of: lstm, gru"),
+    (["--optimizer", "lion"], "error: unknown optimizer 'lion'; expected one of: sgd, adam"),
+    (["--mode", "bag"], "error: unknown mode 'bag'; expected one of: sentence, stream"),
+    (["--lr", "0"], "error: lr must be > 0, got 0.0"),
+    (["--epochs", "-1"], "error: epochs must be > 0, got -1"),
+    (["--batch-size", "0"], "error: batch-size must be > 0, got 0"),
+    (["--hidden-dim", "0"], "error: hidden-dim must be > 0, got 0"),
+    (["--vocab-size", "3"], "error: vocab-size 3 is too small"),
+    (["--tie-embeddings"], "error: --tie-embeddings needs embed-dim == hidden-dim, got 16 and 32"),
+])
+def test_one_line_errors(extra, message, tiny_args, capsys, tmp_path):
+    argv = tiny_args + extra
+    if "--tie-embeddings" in extra:
+        argv += ["--hidden-dim", "32"]
+    code, err = cli_error(argv, capsys)
+    assert code == 2
+    assert err.startswith(message), err
+    assert not (tmp_path / "export").exists()
+
+
+def test_missing_data_dir(tiny_args, capsys, tmp_path):
+    code, err = cli_error(tiny_args + ["--data", str(tmp_path / "nope")], capsys)
+    assert code == 2 and "nope" in err and "\n" not in err
+
+
+def test_empty_train_split(tiny_args, capsys, tmp_path):
+    d = tmp_path / "empty"
+    d.mkdir()
+    (d / "train.txt").write_text("\n  \n\n")
+    (d / "valid.txt").write_text("a b\n")
+    (d / "test.txt").write_text("a b\n")
+    code, err = cli_error(tiny_args + ["--data", str(d)], capsys)
+    assert code == 2 and "train" in err and "\n" not in err
+
+
+def test_model_dir_that_is_a_file(tiny_args, capsys, tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    code, err = cli_error(tiny_args + ["--model-dir", str(f)], capsys)
+    assert code == 2
+    assert err == f"error: --model-dir {str(f)!r} is a file; give a folder (new or a previous run's to resume it)"
+
+
+def test_script_prints_no_traceback_and_exits_2(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "train.py"), "--strategy", "bogus",
+         "--model-dir", str(tmp_path / "r")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: unknown strategy 'bogus'")
+
+
+def test_help_documents_every_flag():
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "train.py"), "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    for flag in ("--strategy", "--all-reduce", "--cpu-devices", "--data", "--mode", "--bptt",
+                 "--tie-embeddings", "--clip-norm", "--model-dir", "--export-dir", "--no-export",
+                 "--metrics-json", "--batch-size"):
+        assert flag in proc.stdout

@@ -1,0 +1,276 @@
+"""Tower data parallelism by hand: TF1's ``cifar10_multi_gpu_train`` pattern, in TF 2.
+
+One process and no ``tf.distribute``: the plug-in places every op itself. Each global
+batch is split inside the step into one row shard per tower device (sizes differ by at
+most one row, ``input_pipeline.shard_rows``); each tower runs the forward pass and its
+gradients on its own device against the ONE set of weights that lives on the variable
+device; the towers' gradients are summed, clipped by global norm and applied once::
+
+    variable device (/cpu:0 for GPU towers, else the first tower)
+    +-------------------------------------------------------------------------+
+    | global batch [B, T] --split rows--+       weights theta (one copy)       |
+    | global token count N              |            |                         |
+    +-----------------------------------|------------|-------------------------+
+               shard i, N, theta (read) |            |
+          +-----------------------------+------------+----------------+
+          v                             v                             v
+    +------------------+        +------------------+        +------------------+
+    | tower 0 (/gpu:0) |        | tower 1 (/gpu:1) |  ...   | tower K-1        |
+    | forward: nll_0   |        | forward: nll_1   |        | forward          |
+    | g_0 = d(nll_0/N) |        | g_1 = d(nll_1/N) |        | g_K-1            |
+    +--------+---------+        +--------+---------+        +--------+---------+
+             |  controller: every g_i to the variable device; ring: see below
+             v                           v                           v
+    +-------------------------------------------------------------------------+
+    | variable device: g = sum_i g_i; g *= c / max(|g|, c); optimizer: theta -= |
+    +-------------------------------------------------------------------------+
+
+Each tower differentiates ``nll_sum / N`` with ``N`` the *global* token count, so the plain
+sum of the towers' gradients is the gradient one device computes on the whole batch, however
+unevenly real tokens fall (a shard with no rows becomes one padding row: zero loss, zero
+gradient). Clipping comes after the sum, and the Keras optimizer, used outside any
+``tf.distribute`` strategy, applies the combined gradient once (it all-reduces nothing).
+
+``--tower-reduce ring`` replaces the gather by a chunked ring all-reduce across the tower
+devices (reduce-scatter, then all-gather): each tower flattens its gradients into one
+vector and cuts it into K chunks; every step, tower i sends one chunk to tower i+1, so
+each link carries 2(K-1)/K of one gradient in total instead of the controller receiving K
+whole gradients. Variables live in one place here, so the variable device takes its
+copy of the result from the tower it shares a device with (tower 0 otherwise).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import tensorflow as tf
+
+from tfpar import devices as devices_lib
+from tfpar import losses, steps
+from tfpar.config import DistConfig
+from tfpar.input_pipeline import shard_bounds, shard_rows
+from tfpar.strategies.base import StrategyPlugin
+from tfpar.strategies.distribute import mirrored_devices
+
+log = logging.getLogger(__name__)
+
+
+class TowerPlugin(StrategyPlugin):
+    """Hand-placed towers sharing one set of weights on ``variable_device``."""
+
+    name = "tower"
+
+    def __init__(self, device_names: list[str], variable_device: str, reduce: str):
+        self._devices = list(device_names)
+        self.variable_device = variable_device
+        self.reduce = reduce
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self._devices)
+
+    @property
+    def devices(self) -> list[str]:
+        return self._devices
+
+    def scope(self):
+        """Model and optimizer variables are created on the variable device."""
+        return tf.device(self.variable_device)
+
+    def distribute(self, dataset_fn):
+        """Global batches: the train step splits them into tower shards itself."""
+        return dataset_fn(None)
+
+    def describe(self) -> str:
+        return (f"{super().describe()}; variables on {self.variable_device}, "
+                f"{self.reduce} gradient reduction")
+
+    # -------------------------------------------------------------------------- steps
+    def make_train_step(self, model, optimizer, *, clip_norm):
+        var_device = self.variable_device
+
+        @tf.function(reduce_retracing=True)
+        def train_step(batch, state=None):
+            with tf.device(var_device), tf.name_scope("split"):
+                global_count = losses.token_count(batch["targets"])
+                shards = self._split(batch, state)
+            grads, nlls, counts, finals = [], [], [], []
+            for i, (device, shard, shard_state, _) in enumerate(shards):
+                # The tape's backward ops are built inside the same device scope, so each
+                # tower's gradients are colocated with its forward ops.
+                with tf.device(device), tf.name_scope(f"tower_{i}"):
+                    g, nll, count, final = steps.loss_and_grads(
+                        model, shard, global_count, shard_state, training=True
+                    )
+                grads.append(g)
+                nlls.append(nll)
+                counts.append(count)
+                finals.append(final)
+            total = self._combine(grads, [v.shape for v in model.trainable_variables])
+            with tf.device(var_device), tf.name_scope("update"):
+                norm = tf.linalg.global_norm(total)
+                factor = steps.clip_factor(norm, clip_norm)
+                optimizer.apply_gradients(
+                    zip([g * factor for g in total], model.trainable_variables)
+                )
+                return dict(
+                    nll_sum=tf.add_n(nlls), count=tf.add_n(counts), grad_norm=norm,
+                    state=self._join(finals, shards, detach=True),
+                )
+
+        return steps.as_step_output(train_step)
+
+    def make_eval_step(self, model):
+        var_device = self.variable_device
+
+        @tf.function(reduce_retracing=True)
+        def eval_step(batch, state=None):
+            with tf.device(var_device), tf.name_scope("split"):
+                shards = self._split(batch, state)
+            nlls, counts, finals = [], [], []
+            for i, (device, shard, shard_state, _) in enumerate(shards):
+                with tf.device(device), tf.name_scope(f"tower_{i}"):
+                    nll, count, final = steps.forward(model, shard, shard_state,
+                                                      training=False)
+                nlls.append(nll)
+                counts.append(count)
+                finals.append(final)
+            with tf.device(var_device), tf.name_scope("sum"):
+                return dict(nll_sum=tf.add_n(nlls), count=tf.add_n(counts),
+                            state=self._join(finals, shards, detach=False))
+
+        return steps.as_step_output(eval_step)
+
+    # ---------------------------------------------------------------- split and join
+    def _split(self, batch: dict, state):
+        """One ``(device, rows, state rows, row count)`` per tower.
+
+        The recurrent state (stream mode) is the global structure of [B, H] tensors; a
+        tower takes the same rows of it as of the batch. A tower with no rows gets one
+        padding row and one zero state row, and its row count of 0 drops them on the way
+        back (``_join``).
+        """
+        rows = tf.shape(batch["targets"])[0]
+        n = self.num_replicas
+        out = []
+        for i, device in enumerate(self._devices):
+            start, size = shard_bounds(rows, n, i)
+            shard_state = None if state is None else tf.nest.map_structure(
+                lambda s, start=start, size=size: _state_rows(s, start, size), state
+            )
+            out.append((device, shard_rows(batch, n, i), shard_state, size))
+        return out
+
+    @staticmethod
+    def _join(finals: list, shards: list, *, detach: bool):
+        """The towers' final states concatenated back into the global [B, H] structure."""
+        if finals[0] is None:
+            return None
+        sizes = [size for _, _, _, size in shards]
+        joined = tf.nest.map_structure(
+            lambda *parts: tf.concat([p[:size] for p, size in zip(parts, sizes)], axis=0),
+            *finals,
+        )
+        return steps.detach_state(joined) if detach else joined
+
+    # -------------------------------------------------------------------- reduction
+    def _combine(self, tower_grads: list[list[tf.Tensor]], shapes: list) -> list[tf.Tensor]:
+        """Sum of the towers' gradients (variable ``shapes``), on the variable device."""
+        if self.reduce == "ring" and self.num_replicas > 1:
+            return self._ring_sum(tower_grads, shapes)
+        with tf.device(self.variable_device), tf.name_scope("controller_reduce"):
+            return [tf.add_n(list(gs)) for gs in zip(*tower_grads)]
+
+    def _ring_sum(self, tower_grads: list[list[tf.Tensor]], shapes: list) -> list[tf.Tensor]:
+        # Static sizes (from the variables: some gradients of the RNN loop have none).
+        sizes = [int(np.prod(s)) for s in shapes]
+        vectors = []
+        for i, (device, grads) in enumerate(zip(self._devices, tower_grads)):
+            with tf.device(device), tf.name_scope(f"ring_flatten_{i}"):
+                vectors.append(tf.concat(
+                    [tf.reshape(g, [size]) for g, size in zip(grads, sizes)], axis=0))
+        reduced = ring_all_reduce(vectors, self._devices)
+        source = _same_device_index(self.variable_device, self._devices)
+        with tf.device(self.variable_device), tf.name_scope("ring_result"):
+            parts = tf.split(reduced[source], sizes)
+            return [tf.reshape(p, s) for p, s in zip(parts, shapes)]
+
+
+def ring_all_reduce(vectors: list[tf.Tensor], device_names: list[str]) -> list[tf.Tensor]:
+    """Sums equal-length 1-D ``vectors`` (one per device) with a ring all-reduce.
+
+    Every vector is cut into K chunks (K devices). Reduce-scatter, K-1 steps: at step s
+    device i sends chunk (i - s) mod K to device i+1, which adds it to its own copy (the
+    add runs on the receiver). Afterwards device i holds the full sum of chunk (i+1) mod K.
+    All-gather, K-1 steps: at step s device i sends its finished chunk (i + 1 - s) mod K to
+    device i+1, which keeps it. Picture for K = 3 (chunk c of device d: c@d)::
+
+        reduce-scatter s=0: 0@0 -> 1   1@1 -> 2   2@2 -> 0
+        reduce-scatter s=1: 2@0 -> 1   0@1 -> 2   1@2 -> 0   (dev 0 has sum 1, 1: 2, 2: 0)
+        all-gather     s=0: 1@0 -> 1   2@1 -> 2   0@2 -> 0
+        all-gather     s=1: 0@0 -> 1   1@1 -> 2   2@2 -> 0   (every device has every sum)
+
+    Returns:
+      One summed vector per device, each placed on its device.
+    """
+    k = len(device_names)
+    if k == 1:
+        return list(vectors)
+    length = int(vectors[0].shape[0])
+    sizes = [len(c) for c in np.array_split(np.arange(length), k)]
+    chunks = []
+    for i, device in enumerate(device_names):
+        with tf.device(device), tf.name_scope(f"ring_chunks_{i}"):
+            chunks.append(list(tf.split(vectors[i], sizes)))
+    for s in range(k - 1):
+        for i in range(k):
+            dst, c = (i + 1) % k, (i - s) % k
+            with tf.device(device_names[dst]), tf.name_scope(f"ring_reduce_scatter_{s}"):
+                chunks[dst][c] = chunks[dst][c] + chunks[i][c]
+    for s in range(k - 1):
+        for i in range(k):
+            dst, c = (i + 1) % k, (i + 1 - s) % k
+            with tf.device(device_names[dst]), tf.name_scope(f"ring_all_gather_{s}"):
+                chunks[dst][c] = tf.identity(chunks[i][c])
+    out = []
+    for i, device in enumerate(device_names):
+        with tf.device(device), tf.name_scope(f"ring_concat_{i}"):
+            out.append(tf.concat(chunks[i], axis=0))
+    return out
+
+
+def _state_rows(state: tf.Tensor, start: tf.Tensor, size: tf.Tensor) -> tf.Tensor:
+    """Rows ``start:start+size`` of a [B, H] state; one zero row when ``size`` is 0."""
+    return tf.cond(size > 0, lambda: state[start:start + size],
+                   lambda: tf.zeros(tf.concat([[1], tf.shape(state)[1:]], 0), state.dtype))
+
+
+def _same_device_index(device: str, device_names: list[str]) -> int:
+    """Index of the tower on ``device``, or 0 when the variables live elsewhere."""
+    spec = tf.DeviceSpec.from_string(device)
+    for i, name in enumerate(device_names):
+        other = tf.DeviceSpec.from_string(name)
+        if (spec.device_type, spec.device_index) == (other.device_type, other.device_index):
+            return i
+    return 0
+
+
+def build_tower(dist: DistConfig) -> TowerPlugin:
+    """Towers on ``--devices``, all GPUs, or ``--cpu-devices`` logical CPUs (default 2).
+
+    Raises:
+      DeviceError: a tower or the variable device does not exist on this host.
+    """
+    names = mirrored_devices(dist)
+    if dist.variable_device:
+        variable_device = devices_lib.resolve_devices((dist.variable_device,))[0]
+    elif all("GPU" in n.upper() for n in names):
+        # As in cifar10_multi_gpu_train: the host keeps the weights and feeds every GPU.
+        variable_device = "/device:CPU:0"
+    else:
+        variable_device = names[0]
+    plugin = TowerPlugin(names, variable_device, dist.tower_reduce)
+    log.info("tower: %d towers on %s; variables on %s; %s reduction", len(names),
+             ", ".join(names), variable_device, dist.tower_reduce)
+    return plugin
