@@ -66,15 +66,29 @@ class Checkpointer:
         self._last_saved = -1
 
     def restore_latest(self) -> int | None:
-        """Restores the latest checkpoint; returns its step, or None when starting fresh."""
-        path = self.manager.latest_checkpoint
-        if not path:
-            return None
-        self.checkpoint.restore(path).assert_existing_objects_matched()
-        step = int(path.rsplit("-", 1)[-1])
-        self._last_saved = step
-        log.info("resumed from %s (step %d)", path, step)
-        return step
+        """Restores the newest readable checkpoint; returns its step (None: fresh start).
+
+        A damaged newest checkpoint (truncated or corrupt files) is reported and the one
+        before it is used, so a crash while a checkpoint was written loses one interval
+        at most.
+        """
+        for path in reversed(self.manager.checkpoints):
+            try:
+                self.checkpoint.restore(path).assert_existing_objects_matched()
+            except (tf.errors.OpError, ValueError, AssertionError) as e:
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                log.warning("checkpoint %s is unreadable (%s); trying the previous one",
+                            path, reason[:200])
+                continue
+            step = int(path.rsplit("-", 1)[-1])
+            self._last_saved = step
+            log.info("resumed from %s (step %d)", path, step)
+            return step
+        if self.manager.checkpoints:
+            raise CheckpointError(
+                f"no readable checkpoint in {self.directory} (tried "
+                f"{len(self.manager.checkpoints)}); remove the folder to start afresh")
+        return None
 
     def save(self, step: int) -> None:
         """Saves the state at ``step`` unless that step is saved already."""

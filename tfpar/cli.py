@@ -227,7 +227,7 @@ def run_main(body: Callable[[], int | None]) -> int:
         return body() or 0
     except TfparError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -9,6 +9,9 @@ Every message names the bad value and what would be right.
 class TfparError(Exception):
     """Base class of every user-facing error in tfpar."""
 
+    #: The command-line exit status for this error.
+    exit_code = 2
+
 
 class ConfigError(TfparError, ValueError):
     """A flag or configuration field has a value that cannot work."""
@@ -28,3 +31,13 @@ class ClusterError(TfparError, ValueError):
 
 class CheckpointError(TfparError):
     """A checkpoint or export cannot be written, read or resumed from."""
+
+
+class TrainingError(TfparError):
+    """Training cannot go on (e.g. a non-finite loss with --on-nan stop)."""
+
+
+class Interrupted(TfparError):
+    """SIGINT or SIGTERM stopped training after a step; a checkpoint was written."""
+
+    exit_code = 130

@@ -85,3 +85,14 @@ def clip_factor(global_norm: tf.Tensor, clip_norm: float) -> tf.Tensor:
 def detach_state(state):
     """Stops gradients flowing into the previous window (truncated BPTT)."""
     return tf.nest.map_structure(tf.stop_gradient, state)
+
+
+def apply_if_finite(optimizer, grads, variables, global_norm: tf.Tensor) -> None:
+    """Applies ``grads`` unless ``global_norm`` is inf/NaN (for plug-ins that aggregate
+    gradients themselves, outside any ``tf.distribute`` replica context)."""
+
+    def apply():
+        optimizer.apply_gradients(zip(grads, variables))
+        return tf.constant(True)
+
+    tf.cond(tf.math.is_finite(global_norm), apply, lambda: tf.constant(False))

@@ -19,6 +19,8 @@ import json
 import logging
 import math
 import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -29,7 +31,7 @@ import tensorflow as tf
 from tfpar import checkpoints, summaries
 from tfpar.config import Config
 from tfpar.data import LoadedCorpus, load_corpus
-from tfpar.errors import ConfigError, TfparError
+from tfpar.errors import ConfigError, Interrupted, TrainingError
 from tfpar.input_pipeline import InputData
 from tfpar.losses import perplexity
 from tfpar.model import build_model
@@ -38,10 +40,6 @@ from tfpar.strategies.base import StrategyPlugin
 from tfpar.vocab import Vocab
 
 log = logging.getLogger(__name__)
-
-
-class TrainingError(TfparError):
-    """Training cannot go on (e.g. a non-finite loss with --on-nan stop)."""
 
 
 class EpochSchedule(keras.optimizers.schedules.LearningRateSchedule):
@@ -95,6 +93,7 @@ class Progress:
     seconds: float = 0.0
     nll: float = 0.0
     count: float = 0.0
+    skipped: int = 0
 
 
 def evaluate(plugin: StrategyPlugin, eval_step, data: InputData, split: str,
@@ -212,6 +211,7 @@ class _Loop:
         self.train_step, self.epoch_var, self.batch_var = train_step, epoch_var, batch_var
         self.eval_step = plugin.make_eval_step(model)
         self.progress = Progress()
+        self.stop_signal = StopSignal()
 
     @property
     def step(self) -> int:
@@ -222,6 +222,10 @@ class _Loop:
         return bool(max_steps) and self.step >= max_steps
 
     def run(self) -> Progress:
+        with self.stop_signal:
+            return self._run()
+
+    def _run(self) -> Progress:
         cfg = self.config.train
         while int(self.epoch_var.numpy()) < cfg.epochs and not self.done():
             epoch = int(self.epoch_var.numpy())
@@ -259,18 +263,17 @@ class _Loop:
             nll, count, norm = float(out.nll_sum), float(out.count), float(out.grad_norm)
             now = time.perf_counter()
             self.after_step(epoch, nll, count, norm, now - start, bar)
+            self.check_stop_signal()
             start = now
             if self.done():
                 break
 
     def after_step(self, epoch, nll, count, norm, seconds, bar) -> None:
+        self.batch_var.assign_add(1)
         step = self.step
         if not (math.isfinite(nll) and math.isfinite(norm)):
-            raise TrainingError(
-                f"non-finite loss or gradient at step {step} (loss {nll}, gradient norm "
-                f"{norm}); lower --lr or --clip-norm, or resume from the last checkpoint"
-            )
-        self.batch_var.assign_add(1)
+            self.non_finite(step, nll, norm)
+            return
         p = self.progress
         if step > 1:  # The first step traces the graph; keep it out of the throughput.
             p.tokens += count
@@ -292,6 +295,55 @@ class _Loop:
         if every and step % every == 0:
             self.ckpt.save(step)
 
+    def check_stop_signal(self) -> None:
+        if self.stop_signal.received:
+            self.ckpt.save(self.step)
+            raise Interrupted(
+                f"stopped by {self.stop_signal.received} after step {self.step}; checkpoint "
+                f"saved in {self.ckpt.directory}; run the same command again to resume"
+            )
+
+    def non_finite(self, step: int, nll: float, norm: float) -> None:
+        """A batch gave a non-finite loss or gradient; its update was not applied."""
+        what = f"non-finite loss or gradient in the batch after step {step} (loss {nll}, " \
+               f"gradient norm {norm})"
+        if self.config.train.on_nan == "stop":
+            raise TrainingError(f"{what}; the update was not applied. Lower --lr or "
+                                "--clip-norm, or pass --on-nan skip to drop such batches")
+        self.progress.skipped += 1
+        log.warning("%s: skipped (--on-nan skip)", what)
+
+
+class StopSignal:
+    """Turns SIGINT/SIGTERM into a flag the loop checks after each step.
+
+    Training then stops cleanly: the step in flight finishes, a checkpoint is written,
+    and the run exits saying how to resume. A second signal interrupts at once.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.received:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+        log.warning("%s received: stopping after this step", self.received)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
+
 
 def _final_metrics(config, plugin, corpus, vocab, progress, model_dir, steps) -> dict[str, Any]:
     metrics: dict[str, Any] = {
@@ -302,6 +354,7 @@ def _final_metrics(config, plugin, corpus, vocab, progress, model_dir, steps) ->
         "steps": steps,
         "tokens_per_sec": progress.tokens / progress.seconds if progress.seconds else None,
         "train_ppl": perplexity(progress.nll, progress.count),
+        "skipped_batches": progress.skipped,
         "unigram_valid_ppl": vocab.unigram_perplexity(corpus.splits["valid"]),
         "model_dir": model_dir,
         "corpus": corpus.name,

@@ -11,6 +11,7 @@ from typing import Callable
 from tfpar.config import DistConfig
 from tfpar.errors import ConfigError
 from tfpar.strategies import distribute
+from tfpar.strategies import pipeline
 from tfpar.strategies import tower
 from tfpar.strategies.base import StrategyPlugin
 
@@ -20,6 +21,7 @@ STRATEGIES: dict[str, Callable[[DistConfig], StrategyPlugin]] = {
     "one_device": distribute.build_one_device,
     "mirrored": distribute.build_mirrored,
     "tower": tower.build_tower,
+    "pipeline": pipeline.build_pipeline,
 }
 
 
@@ -43,7 +45,7 @@ def cpu_devices_needed(dist: DistConfig) -> int:
     if dist.cpu_devices:
         return dist.cpu_devices
     needed = 1
-    for name in dist.devices:
+    for name in dist.devices + pipeline.stage_device_names(dist.stages):
         if name.strip().lower().lstrip("/").startswith("cpu:"):
             needed = max(needed, int(name.rsplit(":", 1)[1]) + 1)
     if dist.strategy in ("mirrored", "tower", "pipeline", "multi_worker"):

@@ -9,7 +9,7 @@ One replica step, run by ``strategy.run`` inside a ``tf.function``:
    before aggregation, which is not what one device does);
 4. hand each replica's own gradient times the clip factor to the Keras optimizer, whose
    ``apply_gradients`` sums across replicas itself (handing it the reduced copy would sum
-   twice).
+   twice) -- unless the aggregated gradient is not finite, in which case nothing changes.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import logging
 import tensorflow as tf
 
 from tfpar import devices as devices_lib
-from tfpar import steps
+from tfpar import losses, steps
 from tfpar.config import DistConfig
 from tfpar.errors import ConfigError
 from tfpar.strategies.base import StrategyPlugin
@@ -60,28 +60,34 @@ class DistributePlugin(StrategyPlugin):
     def make_train_step(self, model, optimizer, *, clip_norm):
         strategy = self.strategy
 
-        def replica_step(batch, state):
+        def replica_grads(batch, state):
             ctx = tf.distribute.get_replica_context()
-            local_count = tf.reduce_sum(tf.cast(batch["targets"] != 0, tf.float32))
-            global_count = ctx.all_reduce(SUM, local_count)
+            global_count = ctx.all_reduce(SUM, losses.token_count(batch["targets"]))
             grads, nll_sum, count, final = steps.loss_and_grads(
                 model, batch, global_count, state, training=True
             )
-            total = ctx.all_reduce(SUM, grads)
-            norm = tf.linalg.global_norm(total)
+            norm = tf.linalg.global_norm(ctx.all_reduce(SUM, grads))
             factor = steps.clip_factor(norm, clip_norm)
-            optimizer.apply_gradients(
-                zip([g * factor for g in grads], model.trainable_variables)
-            )
-            return nll_sum, count, norm, steps.detach_state(final)
+            return [g * factor for g in grads], nll_sum, count, norm, steps.detach_state(final)
+
+        def replica_apply(grads):
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
         @tf.function(reduce_retracing=True)
         def train_step(batch, state=None):
-            nll, count, norm, final = strategy.run(replica_step, args=(batch, state))
+            grads, nll, count, norm, final = strategy.run(replica_grads, args=(batch, state))
+            norm = self._local(norm)
+            # The update is skipped when the aggregated gradient is not finite, so a bad
+            # batch never reaches the weights (the loop then stops or moves on, per
+            # --on-nan). The condition must sit outside strategy.run: a synchronisation
+            # point (the optimizer's all-reduce) may not live inside replica control flow.
+            tf.cond(tf.math.is_finite(norm),
+                    lambda: strategy.run(replica_apply, args=(grads,)) or tf.no_op(),
+                    tf.no_op)
             return dict(
                 nll_sum=strategy.reduce(SUM, nll, axis=None),
                 count=strategy.reduce(SUM, count, axis=None),
-                grad_norm=self._local(norm),
+                grad_norm=norm,
                 state=final,
             )
 

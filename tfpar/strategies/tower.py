@@ -256,6 +256,14 @@ def _same_device_index(device: str, device_names: list[str]) -> int:
     return 0
 
 
+def default_variable_device(tower_devices: list[str]) -> str:
+    """``/cpu:0`` when every tower is a GPU (as in ``cifar10_multi_gpu_train``: the host
+    keeps the weights and feeds every GPU), else the first tower's device."""
+    if all("GPU" in name.upper() for name in tower_devices):
+        return "/device:CPU:0"
+    return tower_devices[0]
+
+
 def build_tower(dist: DistConfig) -> TowerPlugin:
     """Towers on ``--devices``, all GPUs, or ``--cpu-devices`` logical CPUs (default 2).
 
@@ -265,11 +273,8 @@ def build_tower(dist: DistConfig) -> TowerPlugin:
     names = mirrored_devices(dist)
     if dist.variable_device:
         variable_device = devices_lib.resolve_devices((dist.variable_device,))[0]
-    elif all("GPU" in n.upper() for n in names):
-        # As in cifar10_multi_gpu_train: the host keeps the weights and feeds every GPU.
-        variable_device = "/device:CPU:0"
     else:
-        variable_device = names[0]
+        variable_device = default_variable_device(names)
     plugin = TowerPlugin(names, variable_device, dist.tower_reduce)
     log.info("tower: %d towers on %s; variables on %s; %s reduction", len(names),
              ", ".join(names), variable_device, dist.tower_reduce)

@@ -1,0 +1,169 @@
+"""Crash safety: exact resume after SIGKILL, clean stop on SIGTERM, damaged checkpoints,
+non-finite steps. Real processes, real signals."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import REPO
+from tfpar.cli import train_main
+
+TRAIN = os.path.join(REPO, "scripts", "train.py")
+
+
+def run_args(corpus, tmp, name, steps=12):
+    return [
+        # hidden 384: a checkpoint large enough (~7 MB with Adam slots) that its write
+        # takes long enough for the test to catch a kill in the middle of it.
+        "--data", str(corpus), "--embed-dim", "16", "--hidden-dim", "384", "--dropout", "0.1",
+        "--batch-size", "16", "--epochs", "3", "--max-steps", str(steps), "--no-progress",
+        "--checkpoint-every", "2", "--deterministic", "--seed", "3",
+        "--model-dir", str(tmp / name), "--export-dir", str(tmp / (name + "-export")),
+        "--metrics-json", str(tmp / (name + ".json")),
+    ]
+
+
+def final_weights(model_dir):
+    reader = tf.train.load_checkpoint(str(model_dir / "checkpoints"))
+    keys = sorted(k for k in reader.get_variable_to_shape_map()
+                  if k.startswith("model/") and "OPTIMIZER_SLOT" not in k)
+    return {k: reader.get_tensor(k) for k in keys}
+
+
+def start(args):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    return subprocess.Popen([sys.executable, TRAIN, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def wait_for(predicate, proc, timeout=180.0, interval=0.02):
+    """Polls ``predicate`` until true; fails if the process ends first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"process ended before the kill point:\n{proc.stdout.read()}")
+        if interval:
+            time.sleep(interval)
+    proc.kill()
+    pytest.fail("kill point never reached")
+
+
+def has_checkpoint(model_dir, step):
+    return lambda: os.path.exists(model_dir / "checkpoints" / f"ckpt-{step}.index")
+
+
+def writing_checkpoint(model_dir, after_step):
+    """True while a checkpoint after ``after_step`` is being written (temp files exist)."""
+    def check():
+        temps = glob.glob(str(model_dir / "checkpoints" / "*_temp*"))
+        return bool(temps) and has_checkpoint(model_dir, after_step)()
+    return check
+
+
+def exporting(export_dir):
+    return lambda: bool(glob.glob(str(export_dir / "tfpar_lm" / ".staging-*")))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run's final parameters."""
+    from conftest import tiny_corpus_dir  # noqa: F401  (fixture body reused below)
+
+    tmp = tmp_path_factory.mktemp("reference")
+    corpus = make_corpus(tmp)
+    assert train_main(run_args(corpus, tmp, "ref")) == 0
+    return corpus, final_weights(tmp / "ref")
+
+
+def make_corpus(tmp):
+    rng = np.random.default_rng(0)
+    words = [f"w{i}" for i in range(40)]
+    d = tmp / "corpus"
+    d.mkdir()
+    for split, n in (("train", 300), ("valid", 40), ("test", 40)):
+        lines = [" ".join(rng.choice(words, size=int(rng.integers(1, 25)))) for _ in range(n)]
+        (d / f"{split}.txt").write_text("\n".join(lines) + "\n")
+    return d
+
+
+@pytest.mark.parametrize("point", ["after-step-4", "while-checkpointing", "while-exporting"])
+def test_sigkill_then_resume_ends_with_the_same_parameters(point, reference, tmp_path):
+    corpus, expected = reference
+    model_dir, export_dir = tmp_path / "run", tmp_path / "run-export"
+    proc = start(run_args(corpus, tmp_path, "run"))
+    if point == "after-step-4":
+        wait_for(has_checkpoint(model_dir, 4), proc)
+    elif point == "while-checkpointing":
+        wait_for(writing_checkpoint(model_dir, 6), proc, interval=0)
+    else:
+        wait_for(exporting(export_dir), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert not glob.glob(str(export_dir / "tfpar_lm" / "[0-9]*")), "half-written export visible"
+
+    resumed = start(run_args(corpus, tmp_path, "run"))
+    out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out
+    got = final_weights(model_dir)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        np.testing.assert_allclose(got[key], expected[key], atol=1e-6, rtol=0, err_msg=key)
+    assert json.loads((tmp_path / "run.json").read_text())["steps"] == 12
+    assert os.path.exists(export_dir / "tfpar_lm" / "1" / "saved_model.pb")
+
+
+def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path):
+    corpus = make_corpus(tmp_path)
+    args = run_args(corpus, tmp_path, "run", steps=100000)
+    args[args.index("--epochs") + 1] = "1000"
+    proc = start(args)
+    wait_for(has_checkpoint(tmp_path / "run", 2), proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("error: stopped by SIGTERM after step ")
+    assert last.endswith("; run the same command again to resume")
+    step = int(last.split("after step ")[1].split(";")[0])
+    assert os.path.exists(tmp_path / "run" / "checkpoints" / f"ckpt-{step}.index")
+
+
+def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
+    corpus = make_corpus(tmp_path)
+    args = run_args(corpus, tmp_path, "run", steps=6)
+    assert train_main(args + ["--no-export"]) == 0
+    data = glob.glob(str(tmp_path / "run" / "checkpoints" / "ckpt-6.data-*"))[0]
+    with open(data, "r+b") as f:
+        f.truncate(10)
+    args[args.index("--max-steps") + 1] = "8"
+    assert train_main(args + ["--no-export"]) == 0
+    assert "ckpt-6 is unreadable" in caplog.text
+    assert "resumed from" in caplog.text and "ckpt-4 (step 4)" in caplog.text
+    assert json.loads((tmp_path / "run.json").read_text())["steps"] == 8
+
+
+def test_non_finite_step_stops_without_applying(tiny_args, capsys, tmp_path):
+    code = train_main(tiny_args + ["--optimizer", "sgd", "--lr", "1e30", "--clip-norm", "0"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2
+    assert err.startswith("error: non-finite loss or gradient in the batch after step ")
+    assert "the update was not applied" in err and "--on-nan skip" in err
+
+
+def test_non_finite_steps_are_skipped_with_on_nan_skip(tiny_args, tmp_path):
+    code = train_main(tiny_args + ["--optimizer", "sgd", "--lr", "1e30", "--clip-norm", "0",
+                                   "--on-nan", "skip", "--no-export"])
+    assert code == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["skipped_batches"] > 0

@@ -1,0 +1,295 @@
+"""The tower strategy: equal to one device, placement on the traced graph, errors, CLI."""
+
+import functools
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfpar import cli
+from tfpar.config import Config, DataConfig, DistConfig, ModelConfig, TrainConfig
+from tfpar.errors import DeviceError
+from tfpar.input_pipeline import InputData
+from tfpar.model import build_model
+from tfpar.strategies import build_strategy
+from tfpar.strategies.tower import (TowerPlugin, default_variable_device, ring_all_reduce)
+from tfpar.train import EpochSchedule, base_learning_rate, evaluate
+from tfpar.verify import Setup, VerifySpec, run_plugin
+from tfpar.vocab import PAD_ID, Vocab
+
+MODEL = ModelConfig(embed_dim=16, hidden_dim=16)
+CLIP = 0.05  # Below every gradient norm of these runs (asserted), so clipping fires.
+BATCH = 10  # 10 rows: 3 towers get 4/3/3, 4 towers 3/3/2/2.
+STEPS = 3
+CPU = [f"/device:CPU:{i}" for i in range(4)]
+
+
+def make_lines(n, seed=0, max_words=20):
+    rng = np.random.default_rng(seed)
+    return [" ".join(f"w{int(x)}" for x in rng.integers(0, 40, size=rng.integers(1, max_words)))
+            for _ in range(n)]
+
+
+@functools.lru_cache(maxsize=None)
+def setup(mode="sentence"):
+    """Data, initial weights and run settings shared by every run of one mode."""
+    lines = make_lines(160)
+    data = InputData({"train": lines, "valid": make_lines(30, seed=1), "test": lines[:5]},
+                     Vocab.build(lines), DataConfig(mode=mode, bptt=6, max_length=20), seed=1)
+    weights = build_model(MODEL, len(data.vocab), seed=0).get_weights()
+    spec = VerifySpec(steps=STEPS, batch_size=BATCH, mode=mode, lr=0.5)
+    return Setup(spec, data, MODEL, weights, CLIP, clip_norm_auto=False)
+
+
+@functools.lru_cache(maxsize=None)
+def run(strategy="default", towers=1, reduce="controller", mode="sentence"):
+    """Trains STEPS steps from the shared initial weights (cached: runs are reused)."""
+    dist = DistConfig()
+    if strategy == "tower":
+        dist = DistConfig(strategy="tower", devices=tuple(CPU[:towers]), tower_reduce=reduce)
+    return run_plugin(setup(mode), dist)
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+# ----------------------------------------------------------------- equal to one device
+@pytest.mark.parametrize("towers,reduce", [
+    (1, "controller"), (2, "controller"), (3, "controller"), (4, "controller"),
+    (2, "ring"), (3, "ring"), (4, "ring"),
+])
+def test_tower_matches_default_with_clipping(towers, reduce):
+    ref, got = run(), run("tower", towers, reduce)
+    assert min(ref.grad_norms) > CLIP  # Clipping fired on every step.
+    assert len(got.grad_norms) == STEPS
+    np.testing.assert_allclose(got.grad_norms, ref.grad_norms, rtol=1e-5)
+    assert max_diff(got.weights, ref.weights) <= 1e-5
+    assert max_diff(got.weights, setup().initial_weights) > 1e-3  # The weights did move.
+    assert got.eval_count == ref.eval_count
+    assert got.eval_nll == pytest.approx(ref.eval_nll, rel=1e-6)
+
+
+@pytest.mark.parametrize("towers", [3, 4])
+def test_ring_and_controller_give_the_same_update(towers):
+    ring, controller = run("tower", towers, "ring"), run("tower", towers, "controller")
+    assert max_diff(ring.weights, controller.weights) <= 1e-6
+
+
+def test_tower_stream_mode_carries_state_like_default():
+    ref, got = run(mode="stream"), run("tower", 3, "ring", mode="stream")
+    assert min(ref.grad_norms) > CLIP
+    assert max_diff(got.weights, ref.weights) <= 1e-5
+    assert got.eval_count == ref.eval_count
+    assert got.eval_nll == pytest.approx(ref.eval_nll, rel=1e-6)
+
+
+@pytest.mark.parametrize("towers", [2, 3, 4])
+def test_ring_all_reduce_sums_on_every_device(towers):
+    rng = np.random.default_rng(towers)
+    values = [rng.normal(size=11).astype(np.float32) for _ in range(towers)]
+    vectors = []
+    for device, v in zip(CPU, values):
+        with tf.device(device):
+            vectors.append(tf.constant(v))
+    out = ring_all_reduce(vectors, CPU[:towers])
+    assert len(out) == towers
+    for device, o in zip(CPU, out):
+        assert o.device.endswith(device.split("device:")[1])
+        np.testing.assert_allclose(o.numpy(), np.sum(values, axis=0), rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------- empty shards
+def fresh(plugin_or_dist, clip=CLIP):
+    plugin = (plugin_or_dist if isinstance(plugin_or_dist, TowerPlugin)
+              else build_strategy(plugin_or_dist))
+    with plugin.scope():
+        model = build_model(MODEL, len(setup().data.vocab), seed=0)
+        model.set_weights(setup().initial_weights)
+        optimizer = keras.optimizers.SGD(0.5)
+        optimizer.build(model.trainable_variables)
+    return plugin, model, plugin.make_train_step(model, optimizer, clip_norm=clip)
+
+
+def batch_of(rows):
+    """Rows of target ids (0 = padding) → a batch whose inputs are the targets shifted."""
+    t = np.array(rows, np.int32)
+    inputs = np.concatenate([np.full((len(t), 1), 2, np.int32), t[:, :-1]], axis=1)
+    inputs[t == PAD_ID] = PAD_ID
+    return {"inputs": tf.constant(inputs), "targets": tf.constant(t)}
+
+
+@pytest.mark.parametrize("name,rows,towers", [
+    # Fewer rows than towers: towers 2 and 3 get no rows at all.
+    ("fewer rows than towers", [[5, 6, 7, 2], [8, 9, 2, 0]], 4),
+    # Tower 1's rows (the last two of four) are all padding: it holds no tokens.
+    ("a tower of padding", [[5, 6, 7, 2], [8, 9, 2, 0], [0, 0, 0, 0], [0, 0, 0, 0]], 2),
+])
+def test_zero_token_shards_give_the_default_update(name, rows, towers):
+    batch = batch_of(rows)
+    _, ref_model, ref_step = fresh(DistConfig())
+    _, model, step = fresh(DistConfig(strategy="tower", devices=tuple(CPU[:towers])))
+    ref_out, out = ref_step(batch), step(batch)
+    assert np.isfinite(float(out.grad_norm)) and float(out.grad_norm) > CLIP
+    assert float(out.count) == float(ref_out.count) == float((np.array(rows) != 0).sum())
+    assert float(out.nll_sum) == pytest.approx(float(ref_out.nll_sum), rel=1e-6)
+    assert max_diff(model.get_weights(), ref_model.get_weights()) <= 1e-6
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+
+
+def test_eval_state_with_empty_towers_keeps_the_global_rows():
+    """Stream eval with 3 rows on 4 towers: the state comes back as [3, H] per tensor and
+    equals one device's."""
+    batch = batch_of([[5, 6, 7], [8, 9, 2], [4, 4, 4]])
+    plugin, model, _ = fresh(DistConfig(strategy="tower", devices=tuple(CPU)))
+    ref_plugin, ref_model, _ = fresh(DistConfig())
+    step, ref_step = plugin.make_eval_step(model), ref_plugin.make_eval_step(ref_model)
+    state = ref_state = None
+    for _ in range(2):  # The second window starts from the carried state.
+        out, ref = step(batch, state), ref_step(batch, ref_state)
+        state, ref_state = out.state, ref.state
+        assert float(out.nll_sum) == pytest.approx(float(ref.nll_sum), rel=1e-6)
+        for s, r in zip(tf.nest.flatten(state), tf.nest.flatten(ref_state)):
+            assert s.shape == (3, MODEL.hidden_dim)
+            np.testing.assert_allclose(s.numpy(), r.numpy(), atol=1e-6)
+
+
+# ----------------------------------------------------------------- placement
+SPEC = {"inputs": tf.TensorSpec([None, None], tf.int32),
+        "targets": tf.TensorSpec([None, None], tf.int32)}
+# Ops without a requested device: reads of the variables (TF puts them with the variable)
+# and constants the tracer folded.
+UNPLACED = {"ReadVariableOp", "Placeholder", "Const"}
+
+
+def tower_of(op_name):
+    for prefix in ("", "gradient_tape/"):
+        for i in range(4):
+            if op_name.startswith(f"{prefix}tower_{i}/"):
+                return i
+    return None
+
+
+@pytest.mark.parametrize("reduce", ["controller", "ring"])
+def test_traced_step_places_towers_and_updates(reduce):
+    plugin = build_strategy(DistConfig(strategy="tower", devices=tuple(CPU[:3]),
+                                       variable_device="/cpu:3", tower_reduce=reduce))
+    assert plugin.variable_device == CPU[3]
+    _, model, step = fresh(plugin)
+    for v in model.trainable_variables:
+        assert v.value.device.endswith("CPU:3")
+    graph = step.function.get_concrete_function(SPEC).graph
+    ops = graph.get_operations()
+
+    per_tower = {i: [] for i in range(3)}
+    for op in ops:
+        i = tower_of(op.name)
+        if i is not None and not (op.type in UNPLACED and not op.device):
+            per_tower[i].append(op)
+    for i, tower_ops in per_tower.items():
+        forward = [op for op in tower_ops if not op.name.startswith("gradient_tape/")]
+        backward = [op for op in tower_ops if op.name.startswith("gradient_tape/")]
+        assert len(forward) > 50 and len(backward) > 50
+        assert {op.device for op in tower_ops} == {CPU[i]}
+        loops = [op for op in tower_ops if op.type in ("While", "StatelessWhile")]
+        assert len(loops) == 2  # The LSTM's forward loop and its gradient loop.
+        for loop in loops:  # The ops inside the loops sit on the tower's device too.
+            body = graph._get_function(loop.get_attr("body").name).graph
+            assert {o.device for o in body.get_operations()
+                    if not (o.type in UNPLACED and not o.device)} == {CPU[i]}
+
+    updates = [op for op in ops if op.type in ("AssignSubVariableOp", "AssignAddVariableOp",
+                                               "AssignVariableOp")]
+    assert len(updates) >= len(model.trainable_variables)
+    assert {op.device for op in updates} == {CPU[3]}
+
+    if reduce == "controller":
+        sums = [op for op in ops if op.name.startswith("controller_reduce/")]
+        assert sums and {op.device for op in sums} == {CPU[3]}
+    else:
+        # Reduce-scatter: 2 steps × 3 adds, each on the receiving tower (one per tower).
+        adds = [op for op in ops if op.name.startswith("ring_reduce_scatter")
+                and op.type == "AddV2"]
+        gathers = [op for op in ops if op.name.startswith("ring_all_gather")
+                   and op.type == "Identity"]
+        assert len(adds) == len(gathers) == 6
+        assert sorted(op.device for op in adds) == sorted(CPU[:3] * 2)
+        assert sorted(op.device for op in gathers) == sorted(CPU[:3] * 2)
+
+
+def test_default_variable_device():
+    assert default_variable_device(["/device:GPU:0", "/device:GPU:1"]) == "/device:CPU:0"
+    assert default_variable_device(["/device:CPU:1", "/device:CPU:2"]) == "/device:CPU:1"
+    plugin = build_strategy(DistConfig(strategy="tower", cpu_devices=3))
+    assert plugin.devices == CPU[:3] and plugin.variable_device == CPU[0]
+    assert plugin.num_replicas == 3
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("devices", ("/cpu:0", "/gpu:0"), r"device '/gpu:0' does not exist on this host; available"),
+    ("variable_device", "/gpu:3", r"device '/gpu:3' does not exist on this host"),
+    ("variable_device", "cpu-zero", r"cannot parse device name 'cpu-zero'"),
+])
+def test_missing_devices_raise_one_line_device_error(field, value, match):
+    with pytest.raises(DeviceError, match=match) as err:
+        build_strategy(DistConfig(strategy="tower", **{field: value}))
+    assert "\n" not in str(err.value)
+
+
+@pytest.fixture
+def soft_placement():
+    before = tf.config.get_soft_device_placement()
+    yield tf.config.set_soft_device_placement
+    tf.config.set_soft_device_placement(before)
+
+
+def test_soft_placement_lets_a_tower_fall_back(soft_placement):
+    """A tower on a device TF cannot serve (no GPU here) fails without soft placement, and
+    falls back with it (TF1's allow_soft_placement), computing the same result."""
+    batch = batch_of([[5, 6, 7, 2], [8, 9, 2, 0]])
+    ref_plugin, ref_model, _ = fresh(DistConfig())
+    ref = ref_plugin.make_eval_step(ref_model)(batch)
+    plugin = TowerPlugin(["/device:GPU:0", CPU[1]], CPU[0], "controller")
+    _, model, _ = fresh(plugin)
+
+    soft_placement(False)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="GPU:0"):
+        plugin.make_eval_step(model)(batch)
+    soft_placement(True)
+    out = plugin.make_eval_step(model)(batch)
+    assert float(out.nll_sum) == pytest.approx(float(ref.nll_sum), rel=1e-6)
+
+
+# ----------------------------------------------------------------- learning-rate scaling
+def test_linear_scaling_multiplies_by_towers_and_warmup_ramps():
+    towers = build_strategy(DistConfig(strategy="tower", cpu_devices=3)).num_replicas
+    linear = Config(train=TrainConfig(lr=0.1, scale_lr="linear", warmup_steps=4))
+    assert base_learning_rate(linear, towers) == pytest.approx(0.3)
+    assert base_learning_rate(Config(train=TrainConfig(lr=0.1)), towers) == pytest.approx(0.1)
+    schedule = EpochSchedule(0.3, 1.0, 0, 4, tf.Variable(0, dtype=tf.int64))
+    lrs = [float(schedule(step)) for step in range(6)]
+    np.testing.assert_allclose(lrs, [0.075, 0.15, 0.225, 0.3, 0.3, 0.3], rtol=1e-6)
+    help_text = cli.train_parser().format_help()
+    assert "--scale-lr" in help_text and "replica count" in help_text
+
+
+# ----------------------------------------------------------------- end to end
+@pytest.mark.parametrize("extra", [[], ["--mode", "stream", "--bptt", "8",
+                                        "--tower-reduce", "ring"]])
+def test_train_main_tower_trains_and_exports(tiny_args, tmp_path, extra):
+    assert cli.train_main(tiny_args + ["--strategy", "tower", "--cpu-devices", "3"] + extra) == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["strategy"] == "tower" and metrics["replicas"] == 3
+    assert metrics["devices"] == CPU[:3]
+    assert metrics["steps"] == 6
+    assert np.isfinite(metrics["train_ppl"]) and np.isfinite(metrics["test_ppl"])
+    assert os.path.exists(os.path.join(metrics["export_path"], "saved_model.pb"))
+
+
+def test_train_main_tower_missing_device_is_a_one_line_error(tiny_args, capsys):
+    assert cli.train_main(tiny_args + ["--strategy", "tower", "--devices", "/gpu:0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: device '/gpu:0' does not exist on this host")

@@ -1,0 +1,577 @@
+"""Pipeline model parallelism: the model's parts placed on devices by stage, micro-batched.
+
+TF1's ``device_guard`` pipeline (PaddlePaddle's guide: the data and embedding layers on
+the CPU, the rest on a GPU, a mini-batch cut into micro-batches so the devices work at the
+same time), ported to TF 2 without ``tf.distribute``. The model's parts are ``embedding``,
+``rnn_0`` … ``rnn_{L-1}`` and ``softmax`` (``tfpar.model``); ``--stages`` puts each on a
+device, and every run of consecutive parts on one device is a *stage*. A part's weights
+live on its stage's device, and so do its forward ops and their gradient ops.
+
+One training step (GPipe: synchronous, the update equals one device's on the whole
+batch). The global batch is cut into M micro-batches of rows (``shard_rows``: sizes differ
+by at most one; an empty one is a padding row). Stage k runs micro-batch j as soon as
+stage k-1 has handed it the activations of j, so while stage k+1 works on j, stage k
+already works on j+1. Backward runs the other way, micro-batch by micro-batch, each stage
+differentiating its own forward (one ``GradientTape`` per stage and micro-batch) given the
+gradient of its output from the stage after it. Picture for S = 2 stages, M = 4
+(Fj/Bj: forward/backward of micro-batch j; one slot per unit of work)::
+
+    time ->                 0    1    2    3    4    5    6    7    8    9
+    stage 0 (/cpu:0)       F0   F1   F2   F3   ..   ..   B3   B2   B1   B0 | sum the M gradients
+      embedding, rnn_0                                                     | of every weight on
+    stage 1 (/cpu:1)       ..   F0   F1   F2   F3   B3   B2   B1   B0   .. | its device, clip by
+      rnn_1, softmax            ^ stage 1 on F0 while stage 0 runs F1      | the global norm,
+                                                                           | apply once
+    bubble: each stage idles (S-1) of its (M+S-1) forward slots and as many backward ones,
+    a fraction (S-1)/(M+S-1) of the step: 1/2 at M=1, 1/3 at M=2, 1/5 at M=4, 1/9 at M=8.
+
+The schedule is not imposed by control edges: the step is one ``tf.function`` whose only
+edges between (stage, micro-batch) pieces are the data they pass, and TensorFlow's
+executor runs any piece whose inputs are ready on an idle inter-op thread. So a stage may
+also start B_j as soon as F_j is done on every later stage (a 1F1B-like order); the sums
+of the gradients do not depend on the order.
+
+The loss of micro-batch j is ``nll_sum_j / N`` with N the real-token count of the whole
+global batch, so the sum of the micro-batches' gradients is the whole batch's gradient.
+Clipping comes after that sum, and the Keras optimizer (outside any ``tf.distribute``
+strategy) applies it once; its update ops are colocated with the variables, i.e. on the
+stages' devices. In stream mode the recurrent state is split into rows like the batch and
+the final states are concatenated back, so windows carry state exactly as on one device.
+With dropout on, each micro-batch draws its own mask (the same distribution as one
+device's, not the same numbers).
+
+Ops are named ``stage_<k>/forward_mb_<j>/…``, ``gradient_tape/stage_<k>/forward_mb_<j>/…``
+(their gradients) and ``stage_<k>/accumulate``, so the overlap can be read off a
+TensorBoard trace (``--profile-steps``) and the placement checked on the traced graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import re
+
+import keras
+import tensorflow as tf
+
+from tfpar import devices as devices_lib
+from tfpar import losses, steps
+from tfpar.config import DistConfig
+from tfpar.errors import ConfigError
+from tfpar.input_pipeline import shard_bounds, shard_rows
+from tfpar.model import EMBEDDING, SOFTMAX, rnn_name
+from tfpar.strategies.base import StrategyPlugin
+
+log = logging.getLogger(__name__)
+
+RNN = "rnn"  # In --stages: every RNN layer.
+_RNN_PART = re.compile(r"^rnn_(\d+)$")
+_CPU_DEVICE = re.compile(r"^/?(?:device:)?cpu:(\d+)$", re.IGNORECASE)
+_PART_HELP = f"{EMBEDDING}, {RNN} (every RNN layer), rnn_0 ... rnn_{{L-1}}, {SOFTMAX}"
+
+
+def model_parts(layers: int) -> list[str]:
+    """The parts of an ``layers``-layer model, in the order the data flows through them."""
+    return [EMBEDDING] + [rnn_name(i) for i in range(layers)] + [SOFTMAX]
+
+
+def _is_part(name: str) -> bool:
+    return name in (EMBEDDING, SOFTMAX, RNN) or bool(_RNN_PART.match(name))
+
+
+# ------------------------------------------------------------------------- placement
+def parse_stages(text: str) -> dict[str, str]:
+    """``"embedding=/cpu:0,rnn=/cpu:1,softmax=/cpu:1"`` → {part: device as written}.
+
+    Raises:
+      ConfigError: an item is not PART=DEVICE, names an unknown part, or assigns a part
+        twice (``rnn`` counts as every ``rnn_i``).
+    """
+    spec: dict[str, str] = {}
+    for item in (p.strip() for p in text.split(",")):
+        if not item:
+            continue
+        part, sep, device = (s.strip() for s in item.partition("="))
+        if not sep or not part or not device:
+            raise ConfigError(f"cannot parse --stages item {item!r}; expected PART=DEVICE, "
+                              f"e.g. {EMBEDDING}=/cpu:0")
+        part = part.lower()
+        if not _is_part(part):
+            raise ConfigError(f"unknown part {part!r} in --stages; the model's parts are "
+                              f"{_PART_HELP}")
+        twice = part in spec or (part == RNN and any(_RNN_PART.match(p) for p in spec)) or \
+            (_RNN_PART.match(part) and RNN in spec)
+        if twice:
+            raise ConfigError(f"--stages assigns {part!r} twice ({RNN!r} means every RNN "
+                              f"layer); give each part one device")
+        spec[part] = device
+    if not spec:
+        raise ConfigError(f"--stages {text!r} assigns no part; e.g. {EMBEDDING}=/cpu:0,"
+                          f"{RNN}=/cpu:1,{SOFTMAX}=/cpu:1")
+    return spec
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """Consecutive parts of the model on one device."""
+
+    index: int
+    device: str
+    parts: tuple[str, ...]
+
+    @property
+    def scope(self) -> str:
+        return f"stage_{self.index}"
+
+
+class Placement:
+    """Which device each part of the model goes on.
+
+    Either explicit (``--stages``) or the default rule, which needs no layer count (the
+    variables are placed while Keras builds the model, before its depth is known here):
+
+    * accelerators present: the embedding on the host CPU (a large, memory-bound lookup:
+      the heterogeneous placement of the guide), ``rnn_i`` on accelerator min(i, n-1) and
+      the softmax on the last one: with one GPU everything but the embedding is on it;
+    * CPU only, n (logical) devices: the embedding and ``rnn_i`` on device min(i, n-1),
+      the softmax on the last, so 2 devices hold {embedding, rnn_0} | {rnn_1.., softmax}.
+
+    A deep model on few devices is not balanced by this rule; ``--stages`` is.
+    """
+
+    def __init__(self, spec: dict[str, str] | None = None, *, compute: list[str] = (),
+                 host: str = ""):
+        self.spec = spec
+        self.compute = list(compute)
+        self.host = host
+
+    def device_of(self, part: str) -> str | None:
+        """The device of ``part`` (None: ``--stages`` leaves it unassigned)."""
+        m = _RNN_PART.match(part)
+        if self.spec is not None:
+            return self.spec.get(part) or (self.spec.get(RNN) if m else None)
+        last = len(self.compute) - 1
+        if part == EMBEDDING:
+            return self.host or self.compute[0]
+        if part == SOFTMAX:
+            return self.compute[last]
+        return self.compute[min(int(m.group(1)), last)] if m else None
+
+    def stages(self, layers: int) -> list[Stage]:
+        """The stages of a ``layers``-layer model.
+
+        Raises:
+          ConfigError: ``--stages`` names an RNN layer the model does not have, or leaves
+            a part without a device.
+        """
+        parts = model_parts(layers)
+        if self.spec is not None:
+            extra = [p for p in self.spec if p != RNN and p not in parts]
+            if extra:
+                raise ConfigError(
+                    f"unknown part {extra[0]!r} in --stages: this model has {layers} RNN "
+                    f"layer(s), rnn_0 ... rnn_{layers - 1}")
+            missing = [p for p in parts if self.device_of(p) is None]
+            if missing:
+                raise ConfigError(
+                    f"--stages leaves {', '.join(missing)} unassigned; give every part a "
+                    f"device ({_PART_HELP})")
+        out: list[Stage] = []
+        for part in parts:
+            device = self.device_of(part)
+            if out and out[-1].device == device:
+                out[-1] = dataclasses.replace(out[-1], parts=out[-1].parts + (part,))
+            else:
+                out.append(Stage(len(out), device, (part,)))
+        return out
+
+    def describe(self) -> str:
+        if self.spec is not None:
+            return ", ".join(f"{p}={d}" for p, d in self.spec.items())
+        host = f"{EMBEDDING} on {self.host}, " if self.host else ""
+        return f"{host}default split over {', '.join(self.compute)}"
+
+
+def placement_from_config(dist: DistConfig) -> Placement:
+    """``--stages``, or the default rule over ``--devices``, the GPUs or logical CPUs.
+
+    Raises:
+      ConfigError: a bad ``--stages`` (see :func:`parse_stages`), or both ``--stages``
+        and ``--devices``.
+      DeviceError: a device that does not exist on this host.
+    """
+    if dist.stages.strip():
+        if dist.devices:
+            raise ConfigError(f"--devices {','.join(dist.devices)} and --stages both place "
+                              f"the pipeline; give only --stages")
+        spec = parse_stages(dist.stages)
+        named = list(dict.fromkeys(spec.values()))
+        resolved = dict(zip(named, devices_lib.resolve_devices(tuple(named))))
+        return Placement({part: resolved[d] for part, d in spec.items()})
+    if dist.devices:
+        compute = devices_lib.resolve_devices(dist.devices)
+    elif devices_lib.num_gpus():
+        compute = devices_lib.default_devices(devices_lib.num_gpus())
+    else:
+        compute = devices_lib.default_devices(dist.cpu_devices or 2)
+    host = "/device:CPU:0" if all("GPU" in d.upper() for d in compute) else ""
+    return Placement(compute=compute, host=host)
+
+
+def stage_device_names(stages_text: str) -> tuple[str, ...]:
+    """The CPU devices ``--stages`` mentions, as ``/cpu:N`` (anything else is skipped and
+    reported later by :func:`placement_from_config`), to size the logical CPU split before
+    TensorFlow starts."""
+    names = []
+    for item in stages_text.split(","):
+        m = _CPU_DEVICE.match(item.partition("=")[2].strip())
+        if m:
+            names.append(f"/cpu:{m.group(1)}")
+    return tuple(names)
+
+
+def _part_of_path(path: str | None) -> str | None:
+    """'rnn_lm/rnn_1/lstm_cell/kernel' → 'rnn_1'; None for non-model variables."""
+    for piece in (path or "").split("/"):
+        if piece in (EMBEDDING, SOFTMAX) or _RNN_PART.match(piece):
+            return piece
+    return None
+
+
+def _keras_variable_path(max_depth: int = 16) -> str | None:
+    """The Keras path of the Keras variable whose ``tf.Variable`` is being created.
+
+    Keras 3 hands ``tf.Variable`` only the short name ("kernel"), and builds a subclassed
+    model's weights deferred, after its layers' name scopes are closed; the
+    ``keras.Variable`` object that asks for the ``tf.Variable`` is the one place that
+    still knows its path ("rnn_lm/rnn_1/lstm_cell/kernel"), so look for it up the stack.
+    ``tests/test_pipeline.py`` checks every weight lands on its stage's device.
+    """
+    frame = inspect.currentframe()
+    try:
+        for _ in range(max_depth):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, keras.Variable):
+                return owner.path
+        return None
+    finally:
+        del frame
+
+
+# ------------------------------------------------------------------------- plug-in
+@dataclasses.dataclass
+class _MicroBatch:
+    """Rows ``start:start+size`` of the global batch (one padding row when size is 0)."""
+
+    inputs: tf.Tensor  # [b, T] int32
+    targets: tf.Tensor  # [b, T] int32
+    start: tf.Tensor  # int32 scalar
+    size: tf.Tensor  # int32 scalar
+
+
+class PipelinePlugin(StrategyPlugin):
+    """Stages of the model on their devices, M micro-batches per step (GPipe)."""
+
+    name = "pipeline"
+
+    def __init__(self, placement: Placement, micro_batches: int):
+        self.placement = placement
+        self.micro_batches = micro_batches
+        self._stages: list[Stage] | None = None
+
+    @property
+    def num_replicas(self) -> int:
+        return 1  # Model parallel: the whole global batch flows through every stage.
+
+    @property
+    def devices(self) -> list[str]:
+        if self._stages is not None:
+            return list(dict.fromkeys(s.device for s in self._stages))
+        if self.placement.spec is not None:
+            return list(dict.fromkeys(self.placement.spec.values()))
+        return ([self.placement.host] if self.placement.host else []) + self.placement.compute
+
+    @property
+    def stages(self) -> list[Stage]:
+        if self._stages is None:
+            raise RuntimeError("the pipeline has no model yet: make a step first")
+        return self._stages
+
+    def describe(self) -> str:
+        return (f"pipeline: {self.placement.describe()}; {self.micro_batches} "
+                f"micro-batch(es) per global batch")
+
+    def scope(self):
+        """Every weight of a model part is created on that part's device (Adam's slots
+        follow: Keras colocates them with their weight)."""
+        return tf.variable_creator_scope(self._create_variable)
+
+    def _create_variable(self, next_creator, **kwargs):
+        part = _part_of_path(_keras_variable_path())
+        device = self.placement.device_of(part) if part else None
+        if device is None:
+            return next_creator(**kwargs)
+        with tf.device(device):
+            return next_creator(**kwargs)
+
+    def distribute(self, dataset_fn):
+        """Global batches: the step cuts them into micro-batches itself."""
+        return dataset_fn(None)
+
+    def bind(self, model) -> list[Stage]:
+        """Resolves the stages for ``model`` (checks ``--stages`` against its layers)."""
+        stages = self.placement.stages(model.config.layers)
+        if stages != self._stages:
+            self._stages = stages
+            for s in stages:
+                log.info("pipeline stage %d on %s: %s", s.index, s.device, ", ".join(s.parts))
+            for v in model.variables:
+                part = _part_of_path(v.path)
+                want = self.placement.device_of(part) if part else None
+                if want and not _same_device(v.value.device, want):
+                    log.warning("weight %s lives on %s, not on its stage's %s (created "
+                                "outside the plug-in's scope?): read across devices",
+                                v.path, v.value.device, want)
+        return stages
+
+    # ------------------------------------------------------------------------ steps
+    def make_train_step(self, model, optimizer, *, clip_norm):
+        stages = self.bind(model)
+        m = self.micro_batches
+        stage_vars = [_stage_variables(model, s) for s in stages]
+        owner = _owners(model, stage_vars)
+
+        @tf.function(reduce_retracing=True)
+        def train_step(batch, state=None):
+            mbs = self._split(batch)
+            with tf.device(stages[-1].device), tf.name_scope("global_count"):
+                global_count = tf.maximum(losses.token_count(batch["targets"]), 1.0)
+            states = self._split_state(model, state, mbs)
+            # Forward wavefront: at tick t, stage k runs micro-batch t - k.
+            carry, tapes, outs = {}, {}, {}
+            for t in range(len(stages) + m - 1):
+                for s in stages:
+                    j = t - s.index
+                    if 0 <= j < m:
+                        with tf.GradientTape() as tape:
+                            x_in = carry.get((s.index - 1, j))
+                            if x_in is not None:
+                                tape.watch(x_in[0])
+                            outs[s.index, j] = self._forward(
+                                model, s, j, mbs[j], x_in, states, global_count, training=True)
+                        tapes[s.index, j] = (tape, x_in)
+                        carry[s.index, j] = outs[s.index, j]["x"]
+            # Backward wavefront, the other way round.
+            grads = {id(v): [] for v in model.trainable_variables}
+            upstream = {}
+            for t in reversed(range(len(stages) + m - 1)):
+                for s in reversed(stages):
+                    j = t - s.index
+                    if not 0 <= j < m:
+                        continue
+                    tape, x_in = tapes.pop((s.index, j))
+                    with tf.device(s.device), tf.name_scope(f"{s.scope}/backward_mb_{j}"):
+                        sources = ([x_in[0]] if x_in is not None else []) + stage_vars[s.index]
+                        if s.index == len(stages) - 1:
+                            g = tape.gradient(outs[s.index, j]["loss"], sources)
+                        else:
+                            g = tape.gradient(outs[s.index, j]["x"][0], sources,
+                                              output_gradients=upstream.pop((s.index, j)))
+                    if x_in is not None:
+                        upstream[s.index - 1, j] = g[0]
+                        g = g[1:]
+                    for v, gv in zip(stage_vars[s.index], g):
+                        grads[id(v)].append(gv)
+            total, partials = [], []
+            for s in stages:
+                with tf.device(s.device), tf.name_scope(f"{s.scope}/accumulate"):
+                    mine = [(v, _sum(grads[id(v)])) for v in model.trainable_variables
+                            if owner[id(v)] == s.index]
+                    if mine:
+                        partials.append(tf.add_n([tf.reduce_sum(tf.square(g)) for _, g in mine]))
+                    total.extend(mine)
+            with tf.device(stages[0].device), tf.name_scope("global_norm"):
+                norm = tf.sqrt(tf.add_n(partials))
+                factor = steps.clip_factor(norm, clip_norm)
+            clipped = {}
+            for s in stages:
+                with tf.device(s.device), tf.name_scope(f"{s.scope}/clip"):
+                    for v, g in total:
+                        if owner[id(v)] == s.index:
+                            clipped[id(v)] = g * factor
+            with tf.name_scope("update"):  # Update ops are colocated with the weights.
+                optimizer.apply_gradients(
+                    [(clipped[id(v)], v) for v in model.trainable_variables])
+            return dict(nll_sum=_sum_outputs(outs, stages, "nll", "sum_nll"),
+                        count=_sum_outputs(outs, stages, "count", "sum_count"),
+                        grad_norm=norm,
+                        state=self._join_state(model, outs, mbs, state, detach=True))
+
+        return steps.as_step_output(train_step)
+
+    def make_eval_step(self, model):
+        stages = self.bind(model)
+        m = self.micro_batches
+
+        @tf.function(reduce_retracing=True)
+        def eval_step(batch, state=None):
+            mbs = self._split(batch)
+            states = self._split_state(model, state, mbs)
+            outs, carry = {}, {}
+            for t in range(len(stages) + m - 1):
+                for s in stages:
+                    j = t - s.index
+                    if 0 <= j < m:
+                        outs[s.index, j] = self._forward(
+                            model, s, j, mbs[j], carry.get((s.index - 1, j)), states, None,
+                            training=False)
+                        carry[s.index, j] = outs[s.index, j]["x"]
+            return dict(nll_sum=_sum_outputs(outs, stages, "nll", "sum_nll"),
+                        count=_sum_outputs(outs, stages, "count", "sum_count"),
+                        state=self._join_state(model, outs, mbs, state, detach=False))
+
+        return steps.as_step_output(eval_step)
+
+    # ---------------------------------------------------------------- stage pieces
+    def _forward(self, model, stage: Stage, j: int, mb: _MicroBatch, x_in, states,
+                 global_count, *, training: bool) -> dict:
+        """Stage ``stage`` on micro-batch ``j``.
+
+        Args:
+          x_in: ``(activations [b, T, D], mask [b, T])`` from the stage before, or None
+            for the first stage (which starts with the embedding).
+          states: {layer: that layer's initial state rows of every micro-batch} or None.
+          global_count: real tokens of the whole global batch (train) or None (eval).
+
+        Returns:
+          {"x": (activations, mask)} for the next stage; the last stage adds "nll",
+          "count" and, in training, "loss" = nll / global_count; {"finals": {layer: state}}.
+        """
+        out: dict = {"finals": {}}
+        with tf.device(stage.device), tf.name_scope(f"{stage.scope}/forward_mb_{j}"):
+            x, mask = x_in if x_in is not None else (None, None)
+            for part in stage.parts:
+                if part == EMBEDDING:
+                    x, mask = model.embed(mb.inputs, training=training)
+                elif part == SOFTMAX:
+                    nll, count = losses.nll_sum_and_count(model.softmax(x), mb.targets)
+                    out.update(nll=nll, count=count)
+                    if global_count is not None:
+                        out["loss"] = nll / global_count
+                else:
+                    i = int(_RNN_PART.match(part).group(1))
+                    initial = None if states is None else states[i][j]
+                    x, out["finals"][i] = model.run_rnn(i, x, mask, initial, training=training)
+            out["x"] = (x, mask)
+        return out
+
+    def _split(self, batch: dict) -> list[_MicroBatch]:
+        """The M micro-batches, cut on the first stage's device (which reads the ids)."""
+        with tf.device(self.stages[0].device), tf.name_scope("split"):
+            rows = tf.shape(batch["targets"])[0]
+            out = []
+            for j in range(self.micro_batches):
+                start, size = shard_bounds(rows, self.micro_batches, j)
+                part = shard_rows(batch, self.micro_batches, j)
+                out.append(_MicroBatch(part["inputs"], part["targets"], start, size))
+            return out
+
+    def _split_state(self, model, state, mbs: list[_MicroBatch]):
+        """{layer i: [rows of micro-batch j]} of the [B, H] state, on layer i's device."""
+        if state is None:
+            return None
+        out = {}
+        for i in range(model.config.layers):
+            with tf.device(self.placement.device_of(rnn_name(i))), \
+                    tf.name_scope(f"split_state_{i}"):
+                out[i] = [[_state_rows(s, mb.start, mb.size) for s in state[i]] for mb in mbs]
+        return out
+
+    def _join_state(self, model, outs: dict, mbs: list[_MicroBatch], state, *, detach: bool):
+        """The final states of every layer, micro-batches concatenated back to [B, H]."""
+        if state is None:
+            return None
+        joined = []
+        for i in range(model.config.layers):
+            stage = next(s for s in self.stages if rnn_name(i) in s.parts)
+            with tf.device(stage.device), tf.name_scope(f"join_state_{i}"):
+                finals = [outs[stage.index, j]["finals"][i] for j in range(len(mbs))]
+                layer = [tf.concat([f[n][:mb.size] for f, mb in zip(finals, mbs)], axis=0)
+                         for n in range(len(finals[0]))]
+            joined.append(steps.detach_state(layer) if detach else layer)
+        return joined
+
+
+# ------------------------------------------------------------------------- helpers
+def _stage_variables(model, stage: Stage) -> list:
+    """The trainable weights a stage's parts use (the tied softmax uses the embedding)."""
+    layers = {EMBEDDING: model.embedding, SOFTMAX: model.softmax}
+    out, seen = [], set()
+    for part in stage.parts:
+        layer = layers.get(part) or getattr(model, part)
+        for v in layer.trainable_variables:
+            if id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
+    return out
+
+
+def _owners(model, stage_vars: list[list]) -> dict[int, int]:
+    """id(weight) → the first stage that uses it (where its gradient is summed)."""
+    owner: dict[int, int] = {}
+    for k, vs in enumerate(stage_vars):
+        for v in vs:
+            owner.setdefault(id(v), k)
+    missing = [v.path for v in model.trainable_variables if id(v) not in owner]
+    if missing:
+        raise ValueError(f"weights outside every pipeline stage: {', '.join(missing)}")
+    return owner
+
+
+def _sum(grads: list):
+    """Sum of one weight's gradients from every micro-batch (and stage).
+
+    Embedding gradients come as ``IndexedSlices``: they are concatenated and made dense
+    once, instead of building one dense [V, E] tensor per micro-batch.
+    """
+    if any(isinstance(g, tf.IndexedSlices) for g in grads):
+        sparse = [g for g in grads if isinstance(g, tf.IndexedSlices)]
+        dense = [g for g in grads if not isinstance(g, tf.IndexedSlices)]
+        merged = tf.convert_to_tensor(tf.IndexedSlices(
+            tf.concat([g.values for g in sparse], 0), tf.concat([g.indices for g in sparse], 0),
+            sparse[0].dense_shape))
+        return tf.add_n([merged] + dense) if dense else merged
+    return tf.add_n(grads) if len(grads) > 1 else grads[0]
+
+
+def _sum_outputs(outs: dict, stages: list[Stage], key: str, scope: str) -> tf.Tensor:
+    last = stages[-1]
+    with tf.device(last.device), tf.name_scope(scope):
+        return tf.add_n([v[key] for (k, _), v in sorted(outs.items()) if k == last.index])
+
+
+def _state_rows(state: tf.Tensor, start: tf.Tensor, size: tf.Tensor) -> tf.Tensor:
+    """Rows ``start:start+size`` of a [B, H] state; one zero row when ``size`` is 0."""
+    return tf.cond(size > 0, lambda: state[start:start + size],
+                   lambda: tf.zeros(tf.concat([[1], tf.shape(state)[1:]], 0), state.dtype))
+
+
+def _same_device(a: str, b: str) -> bool:
+    x, y = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
+    return (x.device_type, x.device_index) == (y.device_type, y.device_index)
+
+
+def build_pipeline(dist: DistConfig) -> PipelinePlugin:
+    """Stages from ``--stages`` (or the default rule), ``--micro-batches`` per batch.
+
+    Raises:
+      ConfigError: a malformed ``--stages`` or one combined with ``--devices``.
+      DeviceError: a stage device that does not exist on this host.
+    """
+    plugin = PipelinePlugin(placement_from_config(dist), dist.micro_batches)
+    log.info("%s", plugin.describe())
+    return plugin

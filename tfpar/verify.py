@@ -1,0 +1,419 @@
+"""Checks that a parallel set-up computes what one device computes.
+
+``scripts/verify_parallel.py`` trains every requested strategy for a few SGD steps from the
+same initial weights on the same global batches, then compares each one's final
+parameters and its (distributed) evaluation with the ``default`` strategy's. The batches
+are bucketed sentences of different lengths, so replicas hold unequal token counts, and a
+batch row count that the replica counts do not divide; dropout is off and the clip norm
+is below the gradient norm, so clipping after aggregation is exercised, not skipped.
+
+Strategies are table-driven: :data:`RUNNERS` maps a name to a :class:`Runner` whose
+function trains N steps and returns a :class:`RunResult`. A new strategy adds one entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import time
+from typing import Callable, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpar import devices as devices_lib
+from tfpar import steps
+from tfpar.config import DataConfig, DistConfig, ModelConfig
+from tfpar.errors import ConfigError
+from tfpar.input_pipeline import InputData
+from tfpar.losses import perplexity
+from tfpar.vocab import Vocab
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifySpec:
+    """What to train and how closely results must agree."""
+
+    # (strategy name, replicas) pairs, in the order to run them.
+    strategies: tuple[tuple[str, int], ...] = (("default", 1), ("mirrored", 2), ("tower", 2))
+    # SGD steps every strategy takes.
+    steps: int = 10
+    # Global batch (sentences); 10 leaves uneven shards for 3 and 4 replicas.
+    batch_size: int = 10
+    # "sentence" (bucketed, variable length) or "stream" (state carried across windows).
+    mode: str = "sentence"
+    # Gradient clip norm; 0 picks half the first batch's gradient norm so clipping fires.
+    clip_norm: float = 0.0
+    # SGD learning rate (large, so that parameters move measurably in a few steps).
+    lr: float = 0.5
+    # Pass when max |param - default's| <= tolerance ...
+    tolerance: float = 1e-5
+    # ... and |ppl - default's ppl| / default's ppl <= eval_tolerance.
+    eval_tolerance: float = 1e-6
+    # Seeds the corpus and the initial weights.
+    seed: int = 0
+    # The model: small, so that the check takes seconds.
+    embed_dim: int = 32
+    hidden_dim: int = 32
+    layers: int = 1
+    cell: str = "lstm"
+    # Generated corpus size (sentences); words are drawn from a 100-word language.
+    train_sentences: int = 400
+    valid_sentences: int = 60
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything every strategy shares: data, model shape, initial weights, clip norm."""
+
+    spec: VerifySpec
+    data: InputData
+    model_config: ModelConfig
+    initial_weights: list[np.ndarray]
+    clip_norm: float
+    clip_norm_auto: bool
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.data.vocab)
+
+    def train_batches(self, plugin, epoch: int):
+        return plugin.distribute(
+            lambda ctx: self.data.batches("train", training=True, epoch=epoch,
+                                          input_context=ctx, batch_size=self.spec.batch_size)
+        )
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What one strategy's run produced."""
+
+    weights: list[np.ndarray]
+    # Totals of the valid split evaluated with the final weights: ppl = exp(nll / count).
+    eval_nll: float
+    eval_count: float
+    # The aggregated gradient norm of every step (before clipping); empty if unknown.
+    grad_norms: list[float] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Runner:
+    """How to run one strategy name and which replica counts it accepts."""
+
+    run: Callable[[Setup, int], RunResult]
+    default_replicas: int = 2
+    min_replicas: int = 1
+    max_replicas: int | None = None
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the report."""
+
+    strategy: str
+    replicas: int
+    max_abs_param_diff: float
+    eval_ppl_rel_diff: float
+    clipped_steps: int
+    steps: int
+    seconds: float
+    failures: list[str]
+
+    def to_json(self) -> dict:
+        return {"strategy": self.strategy, "replicas": self.replicas,
+                "max_abs_param_diff": self.max_abs_param_diff,
+                "eval_ppl_rel_diff": self.eval_ppl_rel_diff}
+
+
+# ------------------------------------------------------------------------- set-up
+def build_setup(spec: VerifySpec) -> Setup:
+    """The corpus, vocabulary, initial weights and clip norm every strategy uses."""
+    from tfpar import synthetic
+    from tfpar.model import build_model
+
+    corpus = synthetic.generate_corpus(synthetic.SyntheticSpec(
+        vocab_size=100, median_length=10, max_length=30, train_sentences=spec.train_sentences,
+        valid_sentences=spec.valid_sentences, test_sentences=1, seed=spec.seed,
+    ))
+    splits = {"train": corpus.train, "valid": corpus.valid, "test": corpus.test}
+    data_config = DataConfig(mode=spec.mode, bptt=12, max_length=30)
+    data = InputData(splits, Vocab.build(corpus.train), data_config, seed=spec.seed)
+    model_config = ModelConfig(cell=spec.cell, layers=spec.layers, embed_dim=spec.embed_dim,
+                               hidden_dim=spec.hidden_dim, dropout=0.0)
+    with tf.device("/cpu:0"):
+        model = build_model(model_config, len(data.vocab), seed=spec.seed)
+        weights = model.get_weights()
+        clip = spec.clip_norm
+        if not clip:
+            clip = 0.5 * first_gradient_norm(model, data, spec.batch_size)
+    return Setup(spec, data, model_config, weights, clip, clip_norm_auto=not spec.clip_norm)
+
+
+def first_gradient_norm(model, data: InputData, batch_size: int) -> float:
+    """The global gradient norm of the first training batch at the initial weights."""
+    batch = next(iter(data.batches("train", training=True, epoch=0, batch_size=batch_size)))
+    count = tf.reduce_sum(tf.cast(batch["targets"] != 0, tf.float32))
+    grads, *_ = steps.loss_and_grads(model, batch, count, None, training=False)
+    return float(tf.linalg.global_norm(grads))
+
+
+# ------------------------------------------------------------------------- runners
+def run_plugin(setup: Setup, dist: DistConfig) -> RunResult:
+    """Trains ``setup.spec.steps`` SGD steps with the plug-in ``dist`` names and evaluates
+    valid with its own distributed eval step: the code path ``scripts/train.py`` runs."""
+    from tfpar.model import build_model
+    from tfpar.strategies import build_strategy
+    from tfpar.train import evaluate
+
+    start = time.perf_counter()
+    plugin = build_strategy(dist)
+    with plugin.scope():
+        model = build_model(setup.model_config, setup.vocab_size, seed=setup.spec.seed)
+        model.set_weights(setup.initial_weights)
+        optimizer = keras.optimizers.SGD(learning_rate=setup.spec.lr)
+        optimizer.build(model.trainable_variables)
+    train_step = plugin.make_train_step(model, optimizer, clip_norm=setup.clip_norm)
+    stream = setup.spec.mode == "stream"
+    norms: list[float] = []
+    for epoch in itertools.count():
+        state = None
+        for batch in setup.train_batches(plugin, epoch):
+            out = train_step(batch, state) if stream else train_step(batch)
+            state = out.state if stream else None
+            norms.append(float(out.grad_norm))
+            if len(norms) == setup.spec.steps:
+                break
+        if len(norms) == setup.spec.steps:
+            break
+    nll, count = evaluate(plugin, plugin.make_eval_step(model), setup.data, "valid",
+                          setup.spec.batch_size)
+    return RunResult(model.get_weights(), nll, count, norms, time.perf_counter() - start)
+
+
+def replica_devices(replicas: int) -> tuple[str, ...]:
+    """``replicas`` GPUs when the host has that many, else logical CPU devices."""
+    return tuple(devices_lib.default_devices(replicas))
+
+
+def run_default(setup: Setup, replicas: int) -> RunResult:
+    return run_plugin(setup, DistConfig(strategy="default"))
+
+
+def run_mirrored(setup: Setup, replicas: int) -> RunResult:
+    return run_plugin(setup, DistConfig(strategy="mirrored", devices=replica_devices(replicas)))
+
+
+def _run_tower(reduce: str) -> Callable[[Setup, int], RunResult]:
+    def run(setup: Setup, replicas: int) -> RunResult:
+        return run_plugin(setup, DistConfig(strategy="tower", devices=replica_devices(replicas),
+                                            tower_reduce=reduce))
+    return run
+
+
+# name -> Runner. The reference is always "default".
+RUNNERS: dict[str, Runner] = {
+    "default": Runner(run_default, default_replicas=1, max_replicas=1),
+    "mirrored": Runner(run_mirrored),
+    "tower": Runner(_run_tower("controller")),
+    "tower_ring": Runner(_run_tower("ring")),
+}
+REFERENCE = "default"
+
+
+def parse_strategies(text: str) -> tuple[tuple[str, int], ...]:
+    """'default,mirrored:2,tower:3' → (("default", 1), ("mirrored", 2), ("tower", 3)).
+
+    Raises:
+      ConfigError: an unknown name, a replica count that is not an integer, or one the
+        strategy does not accept.
+    """
+    out = []
+    for item in (p.strip() for p in text.split(",")):
+        if not item:
+            continue
+        name, _, count_text = item.partition(":")
+        runner = RUNNERS.get(name)
+        if runner is None:
+            raise ConfigError(f"unknown strategy {name!r} in --strategies; expected one of: "
+                              f"{', '.join(RUNNERS)} (optionally NAME:REPLICAS)")
+        try:
+            count = int(count_text) if count_text else runner.default_replicas
+        except ValueError:
+            raise ConfigError(f"replica count {count_text!r} of {item!r} is not an integer; "
+                              f"use NAME:REPLICAS, e.g. {name}:2") from None
+        high = runner.max_replicas
+        if count < runner.min_replicas or (high is not None and count > high):
+            allowed = (f"exactly {high}" if high == runner.min_replicas else
+                       f">= {runner.min_replicas}" if high is None else
+                       f"{runner.min_replicas}..{high}")
+            raise ConfigError(f"{item!r}: {name} takes {allowed} replica(s), got {count}")
+        out.append((name, count))
+    if not out:
+        raise ConfigError(f"--strategies {text!r} names no strategy; e.g. default,mirrored:2")
+    return tuple(dict.fromkeys(out))
+
+
+# ------------------------------------------------------------------------- compare
+def compare(spec: VerifySpec, setup: Setup, name: str, replicas: int, result: RunResult,
+            reference: RunResult) -> Row:
+    """One report row: ``result`` against ``reference`` (the default strategy's run)."""
+    diff = max(float(np.max(np.abs(a - b))) if a.size else 0.0
+               for a, b in zip(result.weights, reference.weights))
+    ppl, ref_ppl = (perplexity(result.eval_nll, result.eval_count),
+                    perplexity(reference.eval_nll, reference.eval_count))
+    rel = abs(ppl - ref_ppl) / ref_ppl
+    failures = []
+    if not diff <= spec.tolerance:  # "not <=" also catches NaN.
+        failures.append(f"max |dtheta| {diff:.3g} > tolerance {spec.tolerance:g}")
+    if not rel <= spec.eval_tolerance:
+        failures.append(f"eval perplexity relative difference {rel:.3g} > eval-tolerance "
+                        f"{spec.eval_tolerance:g}")
+    if result.eval_count != reference.eval_count:
+        failures.append(f"eval saw {result.eval_count:.0f} tokens, default "
+                        f"{reference.eval_count:.0f}")
+    if len(result.grad_norms) not in (0, spec.steps):
+        failures.append(f"trained {len(result.grad_norms)} steps, not {spec.steps}")
+    clipped = sum(n > setup.clip_norm for n in result.grad_norms)
+    return Row(name, replicas, diff, rel, clipped, len(result.grad_norms), result.seconds,
+               failures)
+
+
+def verify(spec: VerifySpec) -> tuple[Setup, list[Row]]:
+    """Runs ``default`` and every strategy of ``spec``; returns the rows of the report."""
+    setup = build_setup(spec)
+    log.info("clip-norm %.4g%s", setup.clip_norm,
+             " (auto: half the first batch's gradient norm)" if setup.clip_norm_auto else "")
+    reference = RUNNERS[REFERENCE].run(setup, 1)
+    rows = []
+    for name, replicas in spec.strategies:
+        if (name, replicas) == (REFERENCE, 1):
+            result = reference
+        else:
+            log.info("running %s:%d", name, replicas)
+            result = RUNNERS[name].run(setup, replicas)
+        rows.append(compare(spec, setup, name, replicas, result, reference))
+    return setup, rows
+
+
+def format_table(rows: list[Row]) -> str:
+    header = (f"{'strategy':<12} {'replicas':>8} {'max |dtheta|':>13} {'eval ppl rel diff':>18} "
+              f"{'clipped':>8} {'seconds':>8}  status")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r.strategy:<12} {r.replicas:>8d} {r.max_abs_param_diff:>13.3e} "
+            f"{r.eval_ppl_rel_diff:>18.3e} {f'{r.clipped_steps}/{r.steps}':>8} "
+            f"{r.seconds:>8.1f}  {'FAIL' if r.failures else 'ok'}"
+        )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------- command line
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="verify_parallel.py",
+        description=(
+            "Train each strategy for a few steps from the same initial weights on the same "
+            "global batches (bucketed, variable-length sentences, so replicas hold unequal "
+            "token counts; dropout off; gradient clipping active) and check that its final "
+            "parameters and its distributed eval perplexity match the default strategy's "
+            "(one device). Exits 1 when any strategy is outside the tolerances. The optimizer "
+            "is plain SGD on purpose: Adam divides by the root of the squared gradients, "
+            "which turns float-rounding differences of near-zero gradients into full-size "
+            "steps, so Adam runs differ by far more than the arithmetic does."
+        ),
+    )
+    p.add_argument("--strategies", default="default,mirrored:2,tower:2",
+                   help="comma-separated NAME[:REPLICAS]; names: " + ", ".join(RUNNERS) +
+                        " (tower_ring: --tower-reduce ring) (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=10, help="SGD steps (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=10,
+                   help="GLOBAL batch in sentences (default: %(default)s)")
+    p.add_argument("--mode", default="sentence", choices=("sentence", "stream"),
+                   help="sentence: bucketed sentences; stream: BPTT windows with the RNN "
+                        "state carried (default: %(default)s)")
+    p.add_argument("--clip-norm", type=float, default=0.0,
+                   help="gradient clip norm (default 0: half the first batch's gradient "
+                        "norm, so clipping fires)")
+    p.add_argument("--lr", type=float, default=0.5, help="SGD learning rate (default: %(default)s)")
+    p.add_argument("--tolerance", type=float, default=1e-5,
+                   help="max |parameter difference| allowed (default: %(default)s)")
+    p.add_argument("--eval-tolerance", type=float, default=1e-6,
+                   help="max relative eval perplexity difference (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="corpus and weights seed")
+    p.add_argument("--hidden-dim", type=int, default=32, help="LSTM width (default: %(default)s)")
+    p.add_argument("--embed-dim", type=int, default=32, help="embedding width (default: %(default)s)")
+    p.add_argument("--json", default="", metavar="PATH",
+                   help="also write the rows as a JSON list of {strategy, replicas, "
+                        "max_abs_param_diff, eval_ppl_rel_diff}")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="TensorFlow's Python logs too (its C++ logs: TF_CPP_MIN_LOG_LEVEL=0)")
+    return p
+
+
+def spec_from_args(a: argparse.Namespace) -> VerifySpec:
+    if a.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {a.steps}")
+    if a.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {a.batch_size}")
+    for flag, value in (("--tolerance", a.tolerance), ("--eval-tolerance", a.eval_tolerance),
+                        ("--clip-norm", a.clip_norm)):
+        if not value >= 0:
+            raise ConfigError(f"{flag} must be >= 0, got {value}")
+    if not a.lr > 0:
+        raise ConfigError(f"--lr must be > 0, got {a.lr}")
+    return VerifySpec(
+        strategies=parse_strategies(a.strategies), steps=a.steps, batch_size=a.batch_size,
+        mode=a.mode, clip_norm=a.clip_norm, lr=a.lr, tolerance=a.tolerance,
+        eval_tolerance=a.eval_tolerance, seed=a.seed, embed_dim=a.embed_dim,
+        hidden_dim=a.hidden_dim,
+    )
+
+
+def report(setup: Setup, rows: list[Row], json_path: str = "") -> int:
+    """Prints the table and the verdict; writes the JSON; returns the exit status."""
+    print(format_table(rows))
+    how = " (auto: half the first batch's gradient norm)" if setup.clip_norm_auto else ""
+    print(f"clip-norm {setup.clip_norm:.4g}{how}")
+    for r in rows:
+        if r.steps and not r.clipped_steps:
+            print(f"warning: {r.strategy}:{r.replicas}: clipping never fired (every gradient "
+                  f"norm <= {setup.clip_norm:.4g}); lower --clip-norm to check it")
+    if json_path:
+        directory = os.path.dirname(os.path.abspath(json_path))
+        os.makedirs(directory, exist_ok=True)
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump([r.to_json() for r in rows], f, indent=2)
+    failed = [r for r in rows if r.failures]
+    for r in failed:
+        print(f"FAIL {r.strategy}:{r.replicas}: {'; '.join(r.failures)}")
+    if failed:
+        return 1
+    print(f"all {len(rows)} strategies match default (parameters within "
+          f"{setup.spec.tolerance:g}, eval perplexity within {setup.spec.eval_tolerance:g})")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``scripts/verify_parallel.py``; exit 0 all match, 1 a mismatch, 2 a usage error."""
+    from tfpar.cli import run_main, setup_logging
+
+    args = parser().parse_args(argv)
+    setup_logging(args.verbose)
+
+    def body():
+        spec = spec_from_args(args)
+        # Before TF initialises: logical CPU devices stand in for missing GPUs.
+        devices_lib.configure_cpu_devices(max(n for _, n in spec.strategies))
+        setup, rows = verify(spec)
+        return report(setup, rows, args.json)
+
+    return run_main(body)
