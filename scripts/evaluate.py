@@ -14,7 +14,6 @@ exp(total nll / total tokens) over the whole split.
 
 import argparse
 import json
-import logging
 import math
 import os
 import sys
@@ -26,7 +25,6 @@ from tfpar import cli  # noqa: E402
 from tfpar.config import Config, DataConfig, DistConfig  # noqa: E402
 from tfpar.errors import CheckpointError, ConfigError  # noqa: E402
 
-log = logging.getLogger("evaluate")
 SPLITS = ("train", "valid", "test")
 
 
@@ -114,8 +112,13 @@ def evaluate_model_dir(args) -> dict:
     vocab = Vocab.load(vocab_path)
     with plugin.scope():
         model = build_model(config.model, len(vocab), seed=config.train.seed)
-    tf.train.Checkpoint(model=model).restore(ckpt).expect_partial() \
-        .assert_existing_objects_matched()
+    try:
+        tf.train.Checkpoint(model=model).restore(ckpt).expect_partial() \
+            .assert_existing_objects_matched()
+    except (AssertionError, ValueError, tf.errors.OpError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"checkpoint {ckpt!r} does not fit the model its config.json "
+                              f"describes: {reason}") from None
     corpus = load_corpus(config.data, seed=config.train.seed)
     data = InputData(corpus.splits, vocab, config.data, seed=config.train.seed)
     nll, tokens = evaluate(plugin, plugin.make_eval_step(model), data, args.split, batch)

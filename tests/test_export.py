@@ -11,12 +11,11 @@ import pytest
 import tensorflow as tf
 
 from tfpar import export, sample
-from tfpar.config import Config
+from tfpar.config import Config, DistConfig
 from tfpar.errors import CheckpointError
 from tfpar.input_pipeline import InputData
 from tfpar.model import build_model
 from tfpar.strategies import build_strategy
-from tfpar.config import DistConfig
 from tfpar.train import evaluate
 from tfpar.vocab import Vocab
 
@@ -80,7 +79,7 @@ def test_a_full_disk_during_the_save_leaves_no_version_and_no_staging(exported, 
                                                                       monkeypatch):
     model, vocab, _, _, _ = exported
     config = small_config(tmp_path, export_name="lm")
-    export.export_model(model, vocab, config)  # version 1 exists and must survive
+    (tmp_path / "lm" / "1").mkdir(parents=True)  # an earlier version, which must survive
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -90,10 +89,10 @@ def test_a_full_disk_during_the_save_leaves_no_version_and_no_staging(exported, 
                                               r"device; nothing was written$"):
         export.export_model(model, vocab, config)
     assert os.listdir(tmp_path / "lm") == ["1"]
-    # A first export that fails removes the name folder it created.
+    # A first export that fails removes the folders it created.
     with pytest.raises(CheckpointError):
-        export.export_model(model, vocab, small_config(tmp_path, export_name="other"))
-    assert sorted(os.listdir(tmp_path)) == ["lm"]
+        export.export_model(model, vocab, small_config(tmp_path / "new" / "deeper"))
+    assert os.listdir(tmp_path) == ["lm"]
 
 
 def test_next_version_ignores_non_numeric_entries(tmp_path):

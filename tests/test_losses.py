@@ -28,6 +28,7 @@ def test_perplexity_is_exp_of_total_not_mean_of_batch_means():
     # Batch A: 1 token with nll 4; batch B: 3 tokens with nll 0 each.
     assert losses.perplexity(4.0 + 0.0, 1 + 3) == pytest.approx(math.exp(1.0))
     assert math.isnan(losses.perplexity(0.0, 0))
+    assert losses.perplexity(1e6, 1) == math.inf
 
 
 def test_token_count_ignores_padding():

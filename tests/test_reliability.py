@@ -154,7 +154,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
 
 
 def test_non_finite_step_stops_without_applying(tiny_args, capsys, tmp_path):
-    code = train_main(tiny_args + ["--optimizer", "sgd", "--lr", "1e30", "--clip-norm", "0"])
+    code = train_main(tiny_args + ["--optimizer", "sgd", "--lr", "1e38", "--clip-norm", "0"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2
     assert err.startswith("error: non-finite loss or gradient in the batch after step ")
@@ -162,7 +162,7 @@ def test_non_finite_step_stops_without_applying(tiny_args, capsys, tmp_path):
 
 
 def test_non_finite_steps_are_skipped_with_on_nan_skip(tiny_args, tmp_path):
-    code = train_main(tiny_args + ["--optimizer", "sgd", "--lr", "1e30", "--clip-norm", "0",
+    code = train_main(tiny_args + ["--optimizer", "sgd", "--lr", "1e38", "--clip-norm", "0",
                                    "--on-nan", "skip", "--no-export"])
     assert code == 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())

@@ -11,6 +11,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import shutil
+import tempfile
 
 import tensorflow as tf
 
@@ -75,7 +77,7 @@ class Checkpointer:
         for path in reversed(self.manager.checkpoints):
             try:
                 self.checkpoint.restore(path).assert_existing_objects_matched()
-            except (tf.errors.OpError, ValueError, AssertionError) as e:
+            except (tf.errors.OpError, ValueError, AssertionError, IndexError, OSError) as e:
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 log.warning("checkpoint %s is unreadable (%s); trying the previous one",
                             path, reason[:200])
@@ -91,10 +93,21 @@ class Checkpointer:
         return None
 
     def save(self, step: int) -> None:
-        """Saves the state at ``step`` unless that step is saved already."""
-        if step == self._last_saved or not self.is_chief:
+        """Saves the state at ``step`` unless that step is saved already.
+
+        Under MultiWorkerMirroredStrategy saving is a collective every worker must join,
+        so a worker that is not the chief saves too, into a temporary folder it deletes.
+        """
+        if step == self._last_saved:
             return
-        self.manager.save(checkpoint_number=step)
+        if self.is_chief:
+            self.manager.save(checkpoint_number=step)
+        else:
+            scratch = tempfile.mkdtemp(prefix="tfpar-worker-checkpoint-")
+            try:
+                tf.train.CheckpointManager(self.checkpoint, scratch, 1).save(checkpoint_number=step)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
         self._last_saved = step
 
     def close(self) -> None:

@@ -200,12 +200,32 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
     )
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of each record."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def setup_logging(verbose: bool = False) -> None:
-    """Human logs on stderr; TensorFlow's C++ chatter only with --verbose."""
+    """Human logs on stderr; TensorFlow's C++ chatter only with --verbose.
+
+    tfpar's records go to a handler on the ``tfpar`` logger (and still propagate, so
+    anything listening on the root logger sees them too).
+    """
     if not verbose:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    logging.basicConfig(level=logging.INFO, format="%(levelname).1s %(name)s: %(message)s",
-                        force=True)
+    logger = logging.getLogger("tfpar")
+    logger.setLevel(logging.INFO)
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(levelname).1s %(name)s: %(message)s"))
+        logger.addHandler(handler)
     if not verbose:
         for name in ("absl", "tensorflow", "h5py"):
             logging.getLogger(name).setLevel(logging.ERROR)
@@ -214,9 +234,13 @@ def setup_logging(verbose: bool = False) -> None:
 def prepare_runtime(dist: cfg.DistConfig) -> None:
     """Logical CPU devices and placement options; must run before TF initialises."""
     from tfpar import devices
+    from tfpar.cluster import CLUSTER_STRATEGIES
     from tfpar.strategies import cpu_devices_needed
 
-    devices.configure_cpu_devices(cpu_devices_needed(dist))
+    # Cluster strategies configure TF's collective/gRPC runtime, which must happen before
+    # it initialises (listing devices would); they use one CPU device per task.
+    if dist.strategy not in CLUSTER_STRATEGIES:
+        devices.configure_cpu_devices(cpu_devices_needed(dist))
     devices.set_placement_options(log_placement=dist.log_device_placement,
                                   soft_placement=dist.soft_placement)
 

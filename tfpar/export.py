@@ -157,7 +157,7 @@ def export_model(model, vocab: Vocab, config: Config) -> str:
         half-written is left behind.
     """
     base = os.path.join(config.run.export_dir, config.run.export_name)
-    created = not os.path.isdir(base)
+    created = _missing_folders(base)
     try:
         os.makedirs(base, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=".staging-", dir=base)
@@ -177,10 +177,21 @@ def export_model(model, vocab: Vocab, config: Config) -> str:
             f"export to {base!r} failed: {_one_line(e)}; nothing was written") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-        if created and os.path.isdir(base) and not os.listdir(base):
-            os.rmdir(base)
+        for folder in created:  # only what this call made, and only if left empty
+            if os.path.isdir(folder) and not os.listdir(folder):
+                os.rmdir(folder)
     log.info("exported SavedModel to %s", final)
     return final
+
+
+def _missing_folders(path: str) -> list[str]:
+    """``path`` and its ancestors that do not exist yet, deepest first."""
+    missing = []
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
 
 
 def _rename_to_next_version(out: str, base: str, attempts: int = 5) -> str:

@@ -43,7 +43,10 @@ def nll_sum_and_count(logits: tf.Tensor, targets: tf.Tensor) -> tuple[tf.Tensor,
 
 
 def perplexity(nll_sum: float, count: float) -> float:
-    """``exp(nll_sum / count)``; ``nan`` when there are no tokens."""
+    """``exp(nll_sum / count)``; ``nan`` when there are no tokens, ``inf`` past float range."""
     if count <= 0:
         return float("nan")
-    return math.exp(nll_sum / count)
+    try:
+        return math.exp(nll_sum / count)
+    except OverflowError:
+        return float("inf")

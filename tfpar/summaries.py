@@ -128,7 +128,7 @@ class Writer:
             writer.flush()
             writer.close()
 
-    def writer(self, run: str):
+    def file_writer(self, run: str):
         return self._writers.get(run)
 
 
@@ -173,7 +173,7 @@ class StepHooks:
         except BaseException:
             tf.summary.trace_off()
             raise
-        with self.writer.writer("train").as_default(step=step):
+        with self.writer.file_writer("train").as_default(step=step):
             tf.summary.trace_export("train_step", step=step)
         self._graph_written = True
         return out

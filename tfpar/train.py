@@ -146,6 +146,10 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
         tf.config.experimental.enable_op_determinism()
     plugin = build_strategy(config.dist)
     log.info("strategy %s", plugin.describe())
+    if plugin.is_server:  # a parameter-server cluster's worker or ps task: it only serves
+        plugin.serve()
+        return {}
+    plugin.check_config(config)
     check_batch_sizes(config, plugin.num_replicas)
     model_dir = checkpoints.prepare_model_dir(config, plugin.is_chief)
     corpus = load_corpus(config.data, seed=config.train.seed)
@@ -174,8 +178,9 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     writer.enable_inspection(config, vocab, data)  # per-epoch gradient norms, text samples
 
     train_step = plugin.make_train_step(model, optimizer, clip_norm=config.train.clip_norm)
-    train_step = writer.instrument(  # writes the step's graph; --profile-steps
-        train_step, lambda: int(optimizer.iterations.numpy()) + 1, config.run.profile_steps)
+    if not plugin.asynchronous:  # a scheduled step runs on a worker: nothing to trace here
+        train_step = writer.instrument(  # writes the step's graph; --profile-steps
+            train_step, lambda: int(optimizer.iterations.numpy()) + 1, config.run.profile_steps)
     eval_step = plugin.make_eval_step(model)
     loop = _Loop(config, plugin, data, model, optimizer, ckpt, writer, train_step,
                  epoch_var, batch_var)
@@ -248,6 +253,8 @@ class _Loop:
         self.ckpt.save(self.step)
 
     def train_epoch(self, epoch: int, skip: int) -> None:
+        if self.plugin.asynchronous:
+            return self.train_epoch_async(epoch, skip)
         cfg, data = self.config, self.data
         batches = self.plugin.distribute(
             lambda ctx: data.batches("train", training=True, epoch=epoch, skip=skip,
@@ -291,6 +298,67 @@ class _Loop:
         if bar is not None:
             bar.add(1, [("loss", loss), ("ppl", math.exp(min(loss, 50.0))),
                         ("tok/s", count / max(seconds, 1e-9))])
+        every = self.config.run.checkpoint_every
+        if every and step % every == 0:
+            self.ckpt.save(step)
+
+    def train_epoch_async(self, epoch: int, skip: int) -> None:
+        """Asynchronous training (parameter_server): schedules the epoch's steps without
+        waiting for any, and reads their results only at sync points - every
+        --checkpoint-every steps and at the epoch end - once the plug-in has waited for
+        all of them. Summaries are therefore written per sync point, not per --log-every."""
+        cfg, data, plugin = self.config, self.data, self.plugin
+        size = cfg.train.batch_size
+        todo = count_batches(data.batches("train", training=True, epoch=epoch,
+                                          batch_size=size)) - skip
+        if cfg.train.max_steps:
+            todo = min(todo, cfg.train.max_steps - self.step)
+        iterators = plugin.distribute_to_workers(
+            lambda ctx: data.batches("train", training=True, epoch=epoch, skip=skip,
+                                     input_context=ctx, batch_size=size)
+        )
+        bar = keras.utils.Progbar(todo, unit_name="step") if cfg.run.progress else None
+        every = cfg.run.checkpoint_every or todo
+        while todo > 0:
+            start = time.perf_counter()
+            scheduled = min(todo, every - self.step % every)  # sync on checkpoint steps
+            futures = [self.train_step(iterators) for _ in range(scheduled)]
+            plugin.join()
+            outputs = [plugin.fetch(f) for f in futures]
+            self.after_sync(outputs, time.perf_counter() - start, bar)
+            self.check_stop_signal()
+            todo -= scheduled
+
+    def after_sync(self, outputs, seconds, bar) -> None:
+        """Bookkeeping of the steps that finished since the last sync point."""
+        self.batch_var.assign_add(len(outputs))
+        step = self.step
+        finite = []
+        for out in outputs:
+            nll, count, norm = float(out.nll_sum), float(out.count), float(out.grad_norm)
+            if math.isfinite(nll) and math.isfinite(norm):
+                finite.append((nll, count, norm))
+            else:
+                self.non_finite(step, nll, norm)
+        if not finite:
+            return
+        nll, count = sum(f[0] for f in finite), sum(f[1] for f in finite)
+        p = self.progress
+        if step > len(outputs):  # The first steps trace the graph; keep them out.
+            p.tokens += count
+            p.seconds += seconds
+        p.nll += nll
+        p.count += count
+        loss = nll / max(count, 1.0)
+        self.writer.scalars("train", {
+            "loss": loss, "perplexity": math.exp(min(loss, 50.0)),
+            "tokens_per_sec": count / max(seconds, 1e-9),
+            "learning_rate": float(self.optimizer.learning_rate),
+            "grad_norm": sum(f[2] for f in finite) / len(finite),
+        }, step)
+        if bar is not None:
+            bar.add(len(outputs), [("loss", loss), ("ppl", math.exp(min(loss, 50.0))),
+                                   ("tok/s", count / max(seconds, 1e-9))])
         every = self.config.run.checkpoint_every
         if every and step % every == 0:
             self.ckpt.save(step)
@@ -345,12 +413,17 @@ class StopSignal:
         return False
 
 
+def count_batches(dataset: tf.data.Dataset) -> int:
+    """Elements in a finite dataset (runs the input pipeline once)."""
+    return int(dataset.reduce(np.int64(0), lambda n, _: n + 1))
+
+
 def _final_metrics(config, plugin, corpus, vocab, progress, model_dir, steps) -> dict[str, Any]:
     metrics: dict[str, Any] = {
         "strategy": plugin.name,
         "replicas": plugin.num_replicas,
         "devices": list(plugin.devices),
-        "workers": 1,
+        "workers": plugin.num_workers,
         "steps": steps,
         "tokens_per_sec": progress.tokens / progress.seconds if progress.seconds else None,
         "train_ppl": perplexity(progress.nll, progress.count),

@@ -27,11 +27,15 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar import devices as devices_lib
-from tfpar import steps
-from tfpar.config import DataConfig, DistConfig, ModelConfig
+from tfpar import steps, synthetic
+from tfpar.cli import run_main, setup_logging
+from tfpar.config import MODES, DataConfig, DistConfig, ModelConfig
 from tfpar.errors import ConfigError
 from tfpar.input_pipeline import InputData
-from tfpar.losses import perplexity
+from tfpar.losses import perplexity, token_count
+from tfpar.model import build_model
+from tfpar.strategies import build_strategy
+from tfpar.train import evaluate
 from tfpar.vocab import Vocab
 
 log = logging.getLogger(__name__)
@@ -67,6 +71,21 @@ class VerifySpec:
     # Generated corpus size (sentences); words are drawn from a 100-word language.
     train_sentences: int = 400
     valid_sentences: int = 60
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ConfigError(f"--steps must be >= 1, got {self.steps}")
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown mode {self.mode!r}; expected one of: {', '.join(MODES)}")
+        for flag, value in (("--tolerance", self.tolerance),
+                            ("--eval-tolerance", self.eval_tolerance),
+                            ("--clip-norm", self.clip_norm)):
+            if not value >= 0:
+                raise ConfigError(f"{flag} must be >= 0, got {value}")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be > 0, got {self.lr}")
 
 
 @dataclasses.dataclass
@@ -135,10 +154,10 @@ class Row:
 
 # ------------------------------------------------------------------------- set-up
 def build_setup(spec: VerifySpec) -> Setup:
-    """The corpus, vocabulary, initial weights and clip norm every strategy uses."""
-    from tfpar import synthetic
-    from tfpar.model import build_model
+    """The corpus, vocabulary, initial weights and clip norm every strategy uses.
 
+    Deterministic in ``spec``, so a runner in another process can rebuild the same set-up.
+    """
     corpus = synthetic.generate_corpus(synthetic.SyntheticSpec(
         vocab_size=100, median_length=10, max_length=30, train_sentences=spec.train_sentences,
         valid_sentences=spec.valid_sentences, test_sentences=1, seed=spec.seed,
@@ -160,8 +179,8 @@ def build_setup(spec: VerifySpec) -> Setup:
 def first_gradient_norm(model, data: InputData, batch_size: int) -> float:
     """The global gradient norm of the first training batch at the initial weights."""
     batch = next(iter(data.batches("train", training=True, epoch=0, batch_size=batch_size)))
-    count = tf.reduce_sum(tf.cast(batch["targets"] != 0, tf.float32))
-    grads, *_ = steps.loss_and_grads(model, batch, count, None, training=False)
+    grads, *_ = steps.loss_and_grads(model, batch, token_count(batch["targets"]), None,
+                                     training=False)
     return float(tf.linalg.global_norm(grads))
 
 
@@ -169,10 +188,6 @@ def first_gradient_norm(model, data: InputData, batch_size: int) -> float:
 def run_plugin(setup: Setup, dist: DistConfig) -> RunResult:
     """Trains ``setup.spec.steps`` SGD steps with the plug-in ``dist`` names and evaluates
     valid with its own distributed eval step: the code path ``scripts/train.py`` runs."""
-    from tfpar.model import build_model
-    from tfpar.strategies import build_strategy
-    from tfpar.train import evaluate
-
     start = time.perf_counter()
     plugin = build_strategy(dist)
     with plugin.scope():
@@ -360,16 +375,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def spec_from_args(a: argparse.Namespace) -> VerifySpec:
-    if a.steps < 1:
-        raise ConfigError(f"--steps must be >= 1, got {a.steps}")
-    if a.batch_size < 1:
-        raise ConfigError(f"--batch-size must be >= 1, got {a.batch_size}")
-    for flag, value in (("--tolerance", a.tolerance), ("--eval-tolerance", a.eval_tolerance),
-                        ("--clip-norm", a.clip_norm)):
-        if not value >= 0:
-            raise ConfigError(f"{flag} must be >= 0, got {value}")
-    if not a.lr > 0:
-        raise ConfigError(f"--lr must be > 0, got {a.lr}")
     return VerifySpec(
         strategies=parse_strategies(a.strategies), steps=a.steps, batch_size=a.batch_size,
         mode=a.mode, clip_norm=a.clip_norm, lr=a.lr, tolerance=a.tolerance,
@@ -404,8 +409,6 @@ def report(setup: Setup, rows: list[Row], json_path: str = "") -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``scripts/verify_parallel.py``; exit 0 all match, 1 a mismatch, 2 a usage error."""
-    from tfpar.cli import run_main, setup_logging
-
     args = parser().parse_args(argv)
     setup_logging(args.verbose)
 

@@ -11,6 +11,8 @@ from typing import Callable
 from tfpar.config import DistConfig
 from tfpar.errors import ConfigError
 from tfpar.strategies import distribute
+from tfpar.strategies import multi_worker
+from tfpar.strategies import parameter_server
 from tfpar.strategies import pipeline
 from tfpar.strategies import tower
 from tfpar.strategies.base import StrategyPlugin
@@ -22,6 +24,8 @@ STRATEGIES: dict[str, Callable[[DistConfig], StrategyPlugin]] = {
     "mirrored": distribute.build_mirrored,
     "tower": tower.build_tower,
     "pipeline": pipeline.build_pipeline,
+    "multi_worker": multi_worker.build_multi_worker,
+    "parameter_server": parameter_server.build_parameter_server,
 }
 
 
@@ -48,6 +52,6 @@ def cpu_devices_needed(dist: DistConfig) -> int:
     for name in dist.devices + pipeline.stage_device_names(dist.stages):
         if name.strip().lower().lstrip("/").startswith("cpu:"):
             needed = max(needed, int(name.rsplit(":", 1)[1]) + 1)
-    if dist.strategy in ("mirrored", "tower", "pipeline", "multi_worker"):
+    if dist.strategy in ("mirrored", "tower", "pipeline"):
         needed = max(needed, 2)
     return needed

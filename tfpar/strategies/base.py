@@ -47,6 +47,41 @@ class StrategyPlugin(abc.ABC):
         """Context in which the model and optimizer variables are created."""
         return contextlib.nullcontext()
 
+    # -- Optional: cluster plug-ins (multi_worker, parameter_server) override these; the
+    # defaults describe one process that trains synchronously.
+    @property
+    def num_workers(self) -> int:
+        """Processes that compute training steps."""
+        return 1
+
+    @property
+    def is_server(self) -> bool:
+        """True in a task that only serves a cluster (a parameter-server job's worker and
+        ps tasks): the training loop calls :meth:`serve` instead of training."""
+        return False
+
+    def serve(self) -> None:
+        """Serves this task until the process is stopped (only when ``is_server``)."""
+        raise NotImplementedError(f"{self.name} has no server tasks")
+
+    def check_config(self, config) -> None:
+        """Raises ``ConfigError`` for run settings this plug-in cannot honour."""
+
+    #: True when the train step only *schedules* work (parameter-server training): it
+    #: returns a future at once; the loop calls :meth:`join` before :meth:`fetch`-ing it.
+    asynchronous: bool = False
+
+    def distribute_to_workers(self, dataset_fn: DatasetFn):
+        """Asynchronous plug-ins: the training input, read by each worker on its own."""
+        raise NotImplementedError(f"{self.name} is not asynchronous")
+
+    def join(self) -> None:
+        """Waits until every scheduled step has finished (no-op when synchronous)."""
+
+    def fetch(self, output) -> StepOutput:
+        """A finished step's output as a :class:`StepOutput` (after :meth:`join`)."""
+        return output
+
     @abc.abstractmethod
     def distribute(self, dataset_fn: DatasetFn) -> Iterable:
         """The batches of ``dataset_fn``, in the form this plug-in's steps take."""

@@ -409,7 +409,7 @@ class PipelinePlugin(StrategyPlugin):
             return dict(nll_sum=_sum_outputs(outs, stages, "nll", "sum_nll"),
                         count=_sum_outputs(outs, stages, "count", "sum_count"),
                         grad_norm=norm,
-                        state=self._join_state(model, outs, mbs, state, detach=True))
+                        state=self._join_state(model, outs, mbs, detach=True))
 
         return steps.as_step_output(train_step)
 
@@ -432,7 +432,7 @@ class PipelinePlugin(StrategyPlugin):
                         carry[s.index, j] = outs[s.index, j]["x"]
             return dict(nll_sum=_sum_outputs(outs, stages, "nll", "sum_nll"),
                         count=_sum_outputs(outs, stages, "count", "sum_count"),
-                        state=self._join_state(model, outs, mbs, state, detach=False))
+                        state=self._join_state(model, outs, mbs, detach=False))
 
         return steps.as_step_output(eval_step)
 
@@ -458,7 +458,14 @@ class PipelinePlugin(StrategyPlugin):
                 if part == EMBEDDING:
                     x, mask = model.embed(mb.inputs, training=training)
                 elif part == SOFTMAX:
-                    nll, count = losses.nll_sum_and_count(model.softmax(x), mb.targets)
+                    # Tokens flattened to [b*T, V] and [b*T]: on 3-D logits of unknown
+                    # size TF adds a run-time shape Assert, and a tf.function chains all
+                    # its Asserts in program order (automatic control dependencies), which
+                    # would make micro-batch j+1's loss wait for micro-batch j's logits.
+                    logits = model.softmax(x)
+                    nll, count = losses.nll_sum_and_count(
+                        tf.reshape(logits, [-1, tf.shape(logits)[-1]]),
+                        tf.reshape(mb.targets, [-1]))
                     out.update(nll=nll, count=count)
                     if global_count is not None:
                         out["loss"] = nll / global_count
@@ -491,10 +498,9 @@ class PipelinePlugin(StrategyPlugin):
                 out[i] = [[_state_rows(s, mb.start, mb.size) for s in state[i]] for mb in mbs]
         return out
 
-    def _join_state(self, model, outs: dict, mbs: list[_MicroBatch], state, *, detach: bool):
-        """The final states of every layer, micro-batches concatenated back to [B, H]."""
-        if state is None:
-            return None
+    def _join_state(self, model, outs: dict, mbs: list[_MicroBatch], *, detach: bool):
+        """The final states of every layer, micro-batches concatenated back to [B, H]
+        (returned in sentence mode too, like the other strategies; the loop drops them)."""
         joined = []
         for i in range(model.config.layers):
             stage = next(s for s in self.stages if rnn_name(i) in s.parts)

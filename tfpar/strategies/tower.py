@@ -6,23 +6,23 @@ most one row, ``input_pipeline.shard_rows``); each tower runs the forward pass a
 gradients on its own device against the ONE set of weights that lives on the variable
 device; the towers' gradients are summed, clipped by global norm and applied once::
 
-    variable device (/cpu:0 for GPU towers, else the first tower)
+    variable device (/cpu:0 when the towers are GPUs, else the first tower)
     +-------------------------------------------------------------------------+
-    | global batch [B, T] --split rows--+       weights theta (one copy)       |
-    | global token count N              |            |                         |
-    +-----------------------------------|------------|-------------------------+
-               shard i, N, theta (read) |            |
-          +-----------------------------+------------+----------------+
-          v                             v                             v
-    +------------------+        +------------------+        +------------------+
-    | tower 0 (/gpu:0) |        | tower 1 (/gpu:1) |  ...   | tower K-1        |
-    | forward: nll_0   |        | forward: nll_1   |        | forward          |
-    | g_0 = d(nll_0/N) |        | g_1 = d(nll_1/N) |        | g_K-1            |
-    +--------+---------+        +--------+---------+        +--------+---------+
-             |  controller: every g_i to the variable device; ring: see below
-             v                           v                           v
+    | global batch [B, T] -> row shards 0 .. K-1 (sizes differ by <= 1)       |
+    | N = real tokens of the whole batch;  weights theta (ONE copy)           |
+    +---------+-----------------------+-----------------------------+---------+
+              | shard 0, N, theta     | shard 1, N, theta           | shard K-1
+              v                       v                             v
+    +-------------------+   +-------------------+         +-------------------+
+    | tower 0  (/gpu:0) |   | tower 1  (/gpu:1) |   ...   | tower K-1         |
+    | forward -> nll_0  |   | forward -> nll_1  |         | forward           |
+    | g_0 = d(nll_0/N)  |   | g_1 = d(nll_1/N)  |         | g_K-1             |
+    +---------+---------+   +---------+---------+         +---------+---------+
+              | controller: every g_i goes to the variable device   |
+              | ring: chunks of g_i pass tower -> tower (see below) |
+              v                       v                             v
     +-------------------------------------------------------------------------+
-    | variable device: g = sum_i g_i; g *= c / max(|g|, c); optimizer: theta -= |
+    | variable device: g = g_0 + .. + g_K-1; g *= c / max(|g|, c); apply once |
     +-------------------------------------------------------------------------+
 
 Each tower differentiates ``nll_sum / N`` with ``N`` the *global* token count, so the plain
@@ -41,8 +41,6 @@ copy of the result from the tower it shares a device with (tower 0 otherwise).
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import tensorflow as tf
 
@@ -52,8 +50,6 @@ from tfpar.config import DistConfig
 from tfpar.input_pipeline import shard_bounds, shard_rows
 from tfpar.strategies.base import StrategyPlugin
 from tfpar.strategies.distribute import mirrored_devices
-
-log = logging.getLogger(__name__)
 
 
 class TowerPlugin(StrategyPlugin):
@@ -275,7 +271,4 @@ def build_tower(dist: DistConfig) -> TowerPlugin:
         variable_device = devices_lib.resolve_devices((dist.variable_device,))[0]
     else:
         variable_device = default_variable_device(names)
-    plugin = TowerPlugin(names, variable_device, dist.tower_reduce)
-    log.info("tower: %d towers on %s; variables on %s; %s reduction", len(names),
-             ", ".join(names), variable_device, dist.tower_reduce)
-    return plugin
+    return TowerPlugin(names, variable_device, dist.tower_reduce)

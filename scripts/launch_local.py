@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Start a TensorFlow cluster on this machine: real processes talking gRPC over 127.0.0.1.
+
+    python scripts/launch_local.py --workers 2 -- --strategy multi_worker --max-steps 300
+    python scripts/launch_local.py --workers 2 --ps 1 -- --strategy parameter_server
+    python scripts/launch_local.py --workers 2 --restarts 1 -- --strategy multi_worker \\
+        --model-dir runs/mw --checkpoint-every 50
+
+Everything after ``--`` is passed unchanged to every ``scripts/train.py`` process; each
+process learns its role from the ``TF_CONFIG`` this script writes for it:
+
+  multi_worker      N "worker" tasks; worker 0 is the chief (no separate chief task).
+  parameter_server  one "chief" (the coordinator, which trains, evaluates and writes),
+                    N "worker" tasks and M "ps" tasks (--ps, default 1) that only serve.
+
+Free loopback ports are picked for every attempt (or given with --ports, one per task in
+the order chief, workers, ps). Output is streamed with a ``[worker 1] `` prefix. When a
+task fails every other one is stopped and the exit status is non-zero; with
+--restarts K the whole job is started again, up to K times, and resumes from the
+checkpoints in --model-dir (chosen here when not given, so every task and restart
+shares it; --checkpoint-every N bounds the steps a failure loses). A task exiting with
+status 2 (a usage error) is not restarted.
+
+On a real cluster, run the same ``scripts/train.py`` flags on every machine with
+TF_CONFIG set by you (or your scheduler), e.g. for the second of two workers::
+
+    TF_CONFIG='{"cluster": {"worker": ["host1:2222", "host2:2222"]},
+                "task": {"type": "worker", "index": 1}}' \\
+        python scripts/train.py --strategy multi_worker --model-dir /shared/run1 ...
+
+--model-dir must then be storage every task can read (a network file system, GCS):
+workers other than the chief restore from the chief's checkpoints. Parameter-server
+worker and ps tasks serve until they are stopped; stop them when the chief exits.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="launch_local.py",
+        usage="%(prog)s --workers N [--ps M] [--restarts K] [--ports LIST] -- <train.py flags>",
+        description=__doc__.split("\n\n")[0].strip(),
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--workers", type=int, required=True,
+                   help="worker tasks (multi_worker: all of them train; worker 0 is the chief)")
+    p.add_argument("--ps", type=int, default=None,
+                   help="parameter_server: ps tasks holding the variables (default: 1)")
+    p.add_argument("--restarts", type=int, default=0,
+                   help="restart the whole job up to K times after a failure (default: 0)")
+    p.add_argument("--ports", default="",
+                   help="comma-separated loopback ports, one per task in the order chief, "
+                        "workers, ps (default: free ports picked for every attempt)")
+    return p
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        parser().error("give train.py's flags after --, e.g. -- --strategy multi_worker")
+    split = argv.index("--")
+    args = parser().parse_args(argv[:split])
+    train_args = argv[split + 1:]
+
+    from tfpar import cluster
+    from tfpar.cli import run_main
+
+    def body():
+        if args.restarts < 0:
+            raise cluster.ClusterError(f"--restarts must be >= 0, got {args.restarts}")
+        strategy, flags = cluster.train_args_for_cluster(train_args)
+        ps = args.ps if args.ps is not None else (1 if strategy == "parameter_server" else 0)
+        try:
+            ports = [int(p) for p in args.ports.split(",") if p.strip()] or None
+        except ValueError:
+            raise cluster.ClusterError(f"--ports {args.ports!r} must be comma-separated "
+                                       "integers, one per task") from None
+
+        def plan():
+            return cluster.plan_job(strategy, workers=args.workers, ps=ps, ports=ports)
+
+        plan()  # bad counts or taken ports fail here, before anything starts
+        print(f"[launch] {strategy}: {args.workers} worker(s)"
+              f"{f', {ps} ps' if ps else ''}; model dir {cluster.flag_value(flags, '--model-dir')}",
+              flush=True)
+        env = dict(os.environ)
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        status = cluster.run_job(plan, cluster.train_command(str(REPO / "scripts" / "train.py"),
+                                                             flags),
+                                 restarts=args.restarts, env=env)
+        if status:
+            print(f"error: the {strategy} job failed (status {status}); see the log above",
+                  file=sys.stderr)
+        return status
+
+    return run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

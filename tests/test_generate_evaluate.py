@@ -1,0 +1,173 @@
+"""scripts/generate.py and scripts/evaluate.py, run in-process through main(argv)."""
+
+import importlib.util
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(f"{name}_script",
+                                                  os.path.join(REPO, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+generate = load_script("generate")
+evaluate = load_script("evaluate")
+train = load_script("train")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A short training run with an export: {"corpus", "model_dir", "export", "metrics"}."""
+    tmp = tmp_path_factory.mktemp("run")
+    corpus = tmp / "corpus"
+    corpus.mkdir()
+    rng = np.random.default_rng(1)
+    words = [f"w{i}" for i in range(30)]
+    for split, n in (("train", 200), ("valid", 30), ("test", 30)):
+        lines = [" ".join(rng.choice(words, size=int(rng.integers(1, 15)))) for _ in range(n)]
+        (corpus / f"{split}.txt").write_text("\n".join(lines) + "\n")
+    argv = ["--data", str(corpus), "--embed-dim", "16", "--hidden-dim", "16",
+            "--batch-size", "16", "--epochs", "1", "--max-steps", "5", "--no-progress",
+            "--model-dir", str(tmp / "run"), "--export-dir", str(tmp / "export"),
+            "--metrics-json", str(tmp / "metrics.json")]
+    assert train.main(argv) == 0
+    return {"corpus": str(corpus), "model_dir": str(tmp / "run"),
+            "export": json.loads((tmp / "metrics.json").read_text())["export_path"],
+            "metrics": json.loads((tmp / "metrics.json").read_text())}
+
+
+def out_and_code(main, argv, capsys):
+    """(exit code, stdout, stderr's last line); log lines may come before an error."""
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    lines = captured.err.strip().splitlines()
+    return code, captured.out, lines[-1] if lines else ""
+
+
+# ----------------------------------------------------------------------------- generate
+def test_generate_prints_one_seeded_continuation_per_prompt(run, capsys):
+    argv = ["--model", run["export"], "--prompt", "w1 w2", "--prompt", "", "--max-tokens",
+            "7", "--top-k", "5", "--seed", "11"]
+    code, out, _ = out_and_code(generate.main, argv, capsys)
+    assert code == 0
+    lines = out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("[w1 w2] ") and lines[1].startswith("[] ")
+    assert all(len(line.split("] ", 1)[1].split()) <= 7 for line in lines)
+    assert out_and_code(generate.main, argv, capsys)[1] == out
+    # The name dir resolves to its highest version: a copy as version 2 says the same.
+    name_dir = os.path.dirname(run["export"])
+    shutil.copytree(run["export"], os.path.join(name_dir, "2"), dirs_exist_ok=True)
+    assert out_and_code(generate.main, ["--model", name_dir] + argv[2:], capsys)[1] == out
+
+
+def test_generate_greedy_ignores_the_seed(run, capsys):
+    base = ["--model", run["export"], "--prompt", "w3", "--temperature", "0"]
+    outs = {out_and_code(generate.main, base + ["--seed", s], capsys)[1] for s in "123"}
+    assert len(outs) == 1
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--model", "/nonexistent/lm"], "error: --model '/nonexistent/lm' does not exist; give "),
+    (["--max-tokens", "-1"], "error: --max-tokens must be >= 0, got -1"),
+    (["--temperature", "-1"], "error: --temperature must be >= 0, got -1.0"),
+    (["--top-k", "-3"], "error: --top-k must be >= 0, got -3"),
+    (["--seed", str(2**40)], f"error: --seed must fit in 32 bits, got {2**40}"),
+])
+def test_generate_errors_are_one_line_with_exit_2(run, capsys, extra, message):
+    argv = ["--model", run["export"]] + extra
+    code, _, err = out_and_code(generate.main, argv, capsys)
+    assert code == 2 and err.startswith(message), err
+
+
+def test_generate_on_a_folder_without_a_saved_model(tmp_path, capsys):
+    code, _, err = out_and_code(generate.main, ["--model", str(tmp_path)], capsys)
+    assert code == 2 and err.startswith("error: --model ") and "holds no SavedModel" in err
+
+
+# ----------------------------------------------------------------------------- evaluate
+def test_saved_model_and_model_dir_give_the_training_runs_perplexity(run, capsys):
+    metrics = run["metrics"]
+    code, out, _ = out_and_code(
+        evaluate.main, ["--model", run["export"], "--data", run["corpus"], "--json"], capsys)
+    assert code == 0
+    served = json.loads(out)
+    code, out, _ = out_and_code(evaluate.main, ["--model-dir", run["model_dir"], "--json"],
+                                capsys)
+    assert code == 0
+    rebuilt = json.loads(out)
+    assert served["tokens"] == rebuilt["tokens"]
+    assert served["perplexity"] == pytest.approx(metrics["valid_ppl"], rel=1e-5)
+    assert rebuilt["perplexity"] == pytest.approx(metrics["valid_ppl"], rel=1e-6)
+    code, out, _ = out_and_code(
+        evaluate.main, ["--model-dir", run["model_dir"], "--split", "test"], capsys)
+    assert code == 0
+    assert out.startswith("test perplexity ")
+    assert float(out.split()[2]) == pytest.approx(metrics["test_ppl"], rel=1e-3)
+
+
+def test_model_dir_evaluates_distributed_when_asked(run, capsys):
+    code, out, _ = out_and_code(
+        evaluate.main, ["--model-dir", run["model_dir"], "--strategy", "mirrored",
+                        "--cpu-devices", "2", "--batch-size", "5", "--json"], capsys)
+    assert code == 0
+    result = json.loads(out)
+    assert (result["strategy"], result["replicas"]) == ("mirrored", 2)
+    assert result["perplexity"] == pytest.approx(run["metrics"]["valid_ppl"], rel=1e-5)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "/nonexistent/lm"], "error: --model '/nonexistent/lm' does not exist; give "),
+    (["--model-dir", "/nonexistent/run"],
+     "error: --model-dir '/nonexistent/run' does not exist; give a training run's model dir"),
+    (["--model", "EXPORT", "--strategy", "mirrored"],
+     "error: --strategy, --devices and --cpu-devices apply to --model-dir only"),
+    (["--model-dir", "RUN", "--strategy", "mirrored", "--cpu-devices", "2", "--batch-size", "1"],
+     "error: --batch-size 1 is smaller than the 2 replicas of --strategy mirrored; use >= 2"),
+    (["--model-dir", "RUN", "--batch-size", "-4"], "error: --batch-size must be >= 0, got -4"),
+    (["--model-dir", "RUN", "--strategy", "bogus"], "error: unknown strategy 'bogus'"),
+])
+def test_evaluate_errors_are_one_line_with_exit_2(run, capsys, argv, message):
+    argv = [{"EXPORT": run["export"], "RUN": run["model_dir"]}.get(a, a) for a in argv]
+    code, _, err = out_and_code(evaluate.main, argv, capsys)
+    assert code == 2 and err.startswith(message), err
+
+
+def test_evaluate_needs_a_run_with_config_vocab_and_checkpoint(run, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    code, _, err = out_and_code(evaluate.main, ["--model-dir", str(bare)], capsys)
+    assert code == 2 and err.endswith("has no config.json; give the model dir of a tfpar "
+                                      "training run")
+    shutil.copy(os.path.join(run["model_dir"], "config.json"), bare)
+    shutil.copy(os.path.join(run["model_dir"], "vocab.txt"), bare)
+    code, _, err = out_and_code(evaluate.main, ["--model-dir", str(bare)], capsys)
+    assert code == 2 and err.endswith("has no checkpoint in checkpoints/; train it first")
+
+
+def test_evaluate_requires_exactly_one_model_source(run, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main(["--model", run["export"], "--model-dir", run["model_dir"]])
+    assert exit_info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_evaluate_refuses_a_checkpoint_that_does_not_fit_the_config(run, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(run["model_dir"], bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["model"]["hidden_dim"] = 24
+    (bad / "config.json").write_text(json.dumps(config))
+    code, _, err = out_and_code(evaluate.main, ["--model-dir", str(bad)], capsys)
+    assert code == 2
+    assert err.startswith(f"error: checkpoint '{bad}/checkpoints/ckpt-5' does not fit the "
+                          "model its config.json describes: ")

@@ -1,0 +1,376 @@
+"""The pipeline strategy: equal to one device, placement and overlap on the traced graph,
+--stages errors, CLI."""
+
+import functools
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfpar import cli
+from tfpar.config import DataConfig, DistConfig, ModelConfig
+from tfpar.errors import ConfigError, DeviceError
+from tfpar.input_pipeline import InputData
+from tfpar.model import build_model
+from tfpar.strategies import build_strategy, cpu_devices_needed
+from tfpar.strategies.pipeline import (Placement, PipelinePlugin, Stage, parse_stages,
+                                       placement_from_config)
+from tfpar.verify import Setup, VerifySpec, run_plugin
+from tfpar.vocab import PAD_ID, Vocab
+
+MODEL = ModelConfig(embed_dim=16, hidden_dim=16, layers=2)
+CLIP = 0.05  # Below every gradient norm of these runs (asserted), so clipping fires.
+BATCH = 10  # 10 rows: 3 micro-batches get 4/3/3 rows.
+STEPS = 3
+CPU = [f"/device:CPU:{i}" for i in range(4)]
+TWO = "embedding=/cpu:0,rnn=/cpu:1,softmax=/cpu:1"
+THREE = "embedding=/cpu:0,rnn_0=/cpu:1,rnn_1=/cpu:2,softmax=/cpu:2"
+
+
+def make_lines(n, seed=0, max_words=20):
+    rng = np.random.default_rng(seed)
+    return [" ".join(f"w{int(x)}" for x in rng.integers(0, 40, size=rng.integers(1, max_words)))
+            for _ in range(n)]
+
+
+@functools.lru_cache(maxsize=None)
+def setup(mode="sentence", model=MODEL):
+    """Data, initial weights and run settings shared by every run of one mode."""
+    lines = make_lines(160)
+    data = InputData({"train": lines, "valid": make_lines(30, seed=1), "test": lines[:5]},
+                     Vocab.build(lines), DataConfig(mode=mode, bptt=6, max_length=20), seed=1)
+    weights = build_model(model, len(data.vocab), seed=0).get_weights()
+    spec = VerifySpec(steps=STEPS, batch_size=BATCH, mode=mode, lr=0.5)
+    return Setup(spec, data, model, weights, CLIP, clip_norm_auto=False)
+
+
+@functools.lru_cache(maxsize=None)
+def run(stages="", micro_batches=1, mode="sentence", model=MODEL):
+    """Trains STEPS SGD steps from the shared initial weights (cached: runs are reused)."""
+    dist = DistConfig()
+    if stages:
+        dist = DistConfig(strategy="pipeline", stages=stages, micro_batches=micro_batches)
+    return run_plugin(setup(mode, model), dist)
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+# ----------------------------------------------------------------- equal to one device
+@pytest.mark.parametrize("mode", ["sentence", "stream"])
+@pytest.mark.parametrize("stages", [TWO, THREE], ids=["2dev", "3dev"])
+@pytest.mark.parametrize("micro_batches", [1, 2, 3])
+def test_pipeline_matches_default_with_clipping(micro_batches, stages, mode):
+    ref, got = run(mode=mode), run(stages, micro_batches, mode)
+    assert min(ref.grad_norms) > CLIP  # Clipping fired on every step.
+    assert len(got.grad_norms) == STEPS
+    np.testing.assert_allclose(got.grad_norms, ref.grad_norms, rtol=1e-5)
+    assert max_diff(got.weights, ref.weights) <= 1e-5
+    assert max_diff(got.weights, setup(mode).initial_weights) > 1e-3  # The weights moved.
+    assert got.eval_count == ref.eval_count
+    assert got.eval_nll == pytest.approx(ref.eval_nll, rel=1e-6)
+
+
+def test_tied_embedding_split_from_its_softmax_matches_default():
+    """The tied matrix gets gradient from two stages on two devices; summed on its own."""
+    tied = ModelConfig(embed_dim=16, hidden_dim=16, layers=1, tie_embeddings=True)
+    ref = run(model=tied)
+    got = run("embedding=/cpu:0,rnn_0=/cpu:1,softmax=/cpu:2", 2, model=tied)
+    assert max_diff(got.weights, ref.weights) <= 1e-5
+    assert got.eval_nll == pytest.approx(ref.eval_nll, rel=1e-6)
+
+
+# ----------------------------------------------------------------- empty micro-batches
+def fresh(dist, clip=CLIP, model_config=MODEL):
+    plugin = build_strategy(dist)
+    with plugin.scope():
+        model = build_model(model_config, len(setup().data.vocab), seed=0)
+        model.set_weights(setup().initial_weights)
+        optimizer = keras.optimizers.SGD(0.5)
+        optimizer.build(model.trainable_variables)
+    return plugin, model, plugin.make_train_step(model, optimizer, clip_norm=clip)
+
+
+def batch_of(rows):
+    """Rows of target ids (0 = padding) → a batch whose inputs are the targets shifted."""
+    t = np.array(rows, np.int32)
+    inputs = np.concatenate([np.full((len(t), 1), 2, np.int32), t[:, :-1]], axis=1)
+    inputs[t == PAD_ID] = PAD_ID
+    return {"inputs": tf.constant(inputs), "targets": tf.constant(t)}
+
+
+@pytest.mark.parametrize("name,rows,micro_batches", [
+    # Fewer rows than micro-batches: micro-batches 2 and 3 get no rows at all.
+    ("fewer rows than micro-batches", [[5, 6, 7, 2], [8, 9, 2, 0]], 4),
+    # Micro-batch 1 (the last two rows of four) holds only padding.
+    ("a micro-batch of padding", [[5, 6, 7, 2], [8, 9, 2, 0], [0, 0, 0, 0], [0, 0, 0, 0]], 2),
+])
+def test_empty_micro_batches_give_the_default_update(name, rows, micro_batches):
+    batch = batch_of(rows)
+    _, ref_model, ref_step = fresh(DistConfig())
+    _, model, step = fresh(DistConfig(strategy="pipeline", stages=TWO,
+                                      micro_batches=micro_batches))
+    ref_out, out = ref_step(batch), step(batch)
+    assert np.isfinite(float(out.grad_norm)) and float(out.grad_norm) > CLIP
+    assert float(out.count) == float(ref_out.count) == float((np.array(rows) != 0).sum())
+    assert float(out.nll_sum) == pytest.approx(float(ref_out.nll_sum), rel=1e-6)
+    assert float(out.grad_norm) == pytest.approx(float(ref_out.grad_norm), rel=1e-5)
+    assert max_diff(model.get_weights(), ref_model.get_weights()) <= 1e-6
+
+
+def test_stream_state_with_empty_micro_batches_keeps_the_global_rows():
+    """Stream eval and train with 3 rows in 4 micro-batches: the state comes back as
+    [3, H] per tensor and equals one device's, window after window."""
+    batch = batch_of([[5, 6, 7], [8, 9, 2], [4, 4, 4]])
+    plugin, model, step = fresh(DistConfig(strategy="pipeline", stages=THREE, micro_batches=4))
+    ref_plugin, ref_model, ref_step = fresh(DistConfig())
+    evals = (plugin.make_eval_step(model), ref_plugin.make_eval_step(ref_model))
+    for fns in (evals, (step, ref_step)):
+        state = ref_state = None
+        for _ in range(2):  # The second window starts from the carried state.
+            out, ref = fns[0](batch, state), fns[1](batch, ref_state)
+            state, ref_state = out.state, ref.state
+            assert float(out.nll_sum) == pytest.approx(float(ref.nll_sum), rel=1e-6)
+            assert len(state) == MODEL.layers
+            for s, r in zip(tf.nest.flatten(state), tf.nest.flatten(ref_state)):
+                assert s.shape == (3, MODEL.hidden_dim)
+                np.testing.assert_allclose(s.numpy(), r.numpy(), atol=1e-6)
+
+
+# ----------------------------------------------------------------- placement
+SPEC = {"inputs": tf.TensorSpec([None, None], tf.int32),
+        "targets": tf.TensorSpec([None, None], tf.int32)}
+# Ops without a requested device: reads of the variables (TF puts them with the variable)
+# and constants the tracer folded.
+UNPLACED = {"ReadVariableOp", "Placeholder", "Const"}
+UPDATES = ("AssignSubVariableOp", "AssignAddVariableOp", "AssignVariableOp")
+
+
+def stage_of(op_name):
+    """The stage whose scope an op is under (its gradient ops too), or None."""
+    for prefix in ("", "gradient_tape/"):
+        for k in range(4):
+            if op_name.startswith(f"{prefix}stage_{k}/"):
+                return k
+    return None
+
+
+def placed(ops):
+    return [op for op in ops if not (op.type in UNPLACED and not op.device)]
+
+
+@functools.lru_cache(maxsize=None)
+def traced(stages=THREE, micro_batches=3):
+    plugin, model, step = fresh(DistConfig(strategy="pipeline", stages=stages,
+                                           micro_batches=micro_batches))
+    graph = step.function.get_concrete_function(SPEC).graph
+    return plugin, model, graph
+
+
+def test_weights_live_on_their_stage_device():
+    plugin, model, _ = traced()
+    expected = {"embedding": CPU[0], "rnn_0": CPU[1], "rnn_1": CPU[2], "softmax": CPU[2]}
+    assert [(s.device, s.parts) for s in plugin.stages] == [
+        (CPU[0], ("embedding",)), (CPU[1], ("rnn_0",)), (CPU[2], ("rnn_1", "softmax"))]
+    assert plugin.devices == CPU[:3]
+    for v in model.trainable_variables:
+        part = v.path.split("/")[1]
+        assert v.value.device.endswith(expected[part].split("device:")[1]), v.path
+
+
+def test_traced_step_places_every_stage_op_on_its_device_gradients_included():
+    plugin, model, graph = traced()
+    ops = graph.get_operations()
+    per_stage = {k: [] for k in range(3)}
+    for op in placed(ops):
+        k = stage_of(op.name)
+        if k is not None:
+            per_stage[k].append(op)
+    for k, stage_ops in per_stage.items():
+        device = plugin.stages[k].device
+        assert {op.device for op in stage_ops} == {device}, k
+        for j in range(3):  # Every micro-batch, forward and backward, on every stage.
+            forward = [op for op in stage_ops if op.name.startswith(f"stage_{k}/forward_mb_{j}/")]
+            gradient = [op for op in stage_ops
+                        if op.name.startswith(f"gradient_tape/stage_{k}/forward_mb_{j}/")]
+            assert len(forward) > 5 and len(gradient) > 5, (k, j)
+        loops = [op for op in stage_ops if op.type in ("While", "StatelessWhile")]
+        # Each RNN layer: one forward and one gradient loop per micro-batch.
+        assert len(loops) == 2 * 3 * sum(p.startswith("rnn_") for p in plugin.stages[k].parts)
+        for loop in loops:  # The ops inside the loops sit on the stage's device too.
+            body = graph._get_function(loop.get_attr("body").name).graph
+            assert {o.device for o in placed(body.get_operations())} == {device}
+    # The optimizer's updates request no device: TF runs an op on a resource where the
+    # resource lives, so each weight is updated on its stage's device.
+    handles = {internal.name: external for external, internal in graph.captures}
+    updates = [op for op in ops if op.type in UPDATES]
+    updated = {handles[op.inputs[0].name].device for op in updates if op.device == ""}
+    assert len(updates) >= len(model.trainable_variables)
+    assert {op.device for op in updates} == {""}
+    assert {d.split("device:")[1] for d in updated} >= {d.split("device:")[1] for d in CPU[:3]}
+
+
+def ancestors(ops):
+    """Names of every op ``ops`` depend on, through data and control edges (captured
+    weights enter as placeholders named after their first use: not a dependency)."""
+    seen, todo = set(), list(ops)
+    while todo:
+        cur = todo.pop()
+        for parent in [t.op for t in cur.inputs] + list(cur.control_inputs):
+            if parent.name not in seen and parent.type != "Placeholder":
+                seen.add(parent.name)
+                todo.append(parent)
+    return seen
+
+
+def micro_batch_of(name):
+    return int(name.split("/forward_mb_")[1].split("/")[0])
+
+
+def test_micro_batches_are_not_serialised_on_a_stage():
+    """Stage k can run micro-batch j+1 while stage k+1 runs j: in the traced graph no
+    forward op of micro-batch j+1 waits for any op of micro-batch j (and no forward op
+    waits for a backward one), so only the data flow orders the pieces."""
+    _, _, graph = traced()
+    ops = graph.get_operations()
+    for k in range(3):
+        for j in range(3):
+            piece = [op for op in ops if op.name.startswith(f"stage_{k}/forward_mb_{j}/")]
+            before = ancestors(piece)
+            assert not [n for n in before if "backward_mb_" in n or "gradient_tape/" in n]
+            assert {micro_batch_of(n) for n in before if "/forward_mb_" in n} <= {j}
+            # ... and it does wait for the stage before it on the same micro-batch.
+            if k:
+                assert any(n.startswith(f"stage_{k - 1}/forward_mb_{j}/") for n in before)
+            # Its backward waits for nothing of another micro-batch either.
+            backward = [op for op in ops if op.name.startswith(
+                (f"gradient_tape/stage_{k}/forward_mb_{j}/", f"stage_{k}/backward_mb_{j}/"))]
+            assert backward
+            assert not [n for n in ancestors(backward) if "mb_" in n and f"mb_{j}/" not in n]
+
+
+# ----------------------------------------------------------------- stages and errors
+def test_default_stages_split_the_model_over_two_cpus():
+    plugin = build_strategy(DistConfig(strategy="pipeline"))
+    assert plugin.num_replicas == 1
+    assert plugin.placement.stages(2) == [
+        Stage(0, CPU[0], ("embedding", "rnn_0")), Stage(1, CPU[1], ("rnn_1", "softmax"))]
+    assert plugin.placement.stages(1) == [
+        Stage(0, CPU[0], ("embedding", "rnn_0")), Stage(1, CPU[1], ("softmax",))]
+    three = placement_from_config(DistConfig(strategy="pipeline", cpu_devices=3))
+    assert three.stages(3) == [Stage(0, CPU[0], ("embedding", "rnn_0")),
+                               Stage(1, CPU[1], ("rnn_1",)),
+                               Stage(2, CPU[2], ("rnn_2", "softmax"))]
+    # With accelerators: the embedding on the host CPU, the rest on the GPUs.
+    gpus = Placement(compute=["/device:GPU:0", "/device:GPU:1"], host=CPU[0])
+    assert gpus.stages(3) == [Stage(0, CPU[0], ("embedding",)),
+                              Stage(1, "/device:GPU:0", ("rnn_0",)),
+                              Stage(2, "/device:GPU:1", ("rnn_1", "rnn_2", "softmax"))]
+    one_gpu = Placement(compute=["/device:GPU:0"], host=CPU[0])
+    assert [s.parts for s in one_gpu.stages(2)] == [("embedding",),
+                                                    ("rnn_0", "rnn_1", "softmax")]
+
+
+def test_stages_group_consecutive_parts_and_may_revisit_a_device():
+    placement = placement_from_config(DistConfig(
+        strategy="pipeline", stages="embedding=/cpu:0,rnn_0=/cpu:1,rnn_1=/cpu:0,softmax=cpu:1"))
+    assert [(s.device, s.parts) for s in placement.stages(2)] == [
+        (CPU[0], ("embedding",)), (CPU[1], ("rnn_0",)), (CPU[0], ("rnn_1",)),
+        (CPU[1], ("softmax",))]
+
+
+def test_parse_stages_accepts_rnn_for_every_layer():
+    assert parse_stages(" Embedding=/cpu:0 , rnn=/cpu:1,softmax=/cpu:1,") == {
+        "embedding": "/cpu:0", "rnn": "/cpu:1", "softmax": "/cpu:1"}
+
+
+@pytest.mark.parametrize("stages,match", [
+    ("embedding:/cpu:0,rnn=/cpu:1,softmax=/cpu:1",
+     r"cannot parse --stages item 'embedding:/cpu:0'; expected PART=DEVICE"),
+    ("embedding=,rnn=/cpu:1,softmax=/cpu:1", r"cannot parse --stages item 'embedding='"),
+    ("embedding=/cpu:0,lstm=/cpu:1,softmax=/cpu:1",
+     r"unknown part 'lstm' in --stages; the model's parts are embedding, rnn \(every RNN"),
+    ("embedding=/cpu:0,rnn=/cpu:1,rnn_1=/cpu:0,softmax=/cpu:1",
+     r"--stages assigns 'rnn_1' twice \('rnn' means every RNN layer\)"),
+    ("embedding=/cpu:0,embedding=/cpu:1", r"--stages assigns 'embedding' twice"),
+    (" , ", r"--stages ' , ' assigns no part"),
+])
+def test_malformed_stages_are_one_line_config_errors(stages, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        build_strategy(DistConfig(strategy="pipeline", stages=stages))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("stages,match", [
+    ("embedding=/cpu:0,rnn_0=/cpu:1",
+     r"--stages leaves rnn_1, softmax unassigned; give every part a device"),
+    ("embedding=/cpu:0,rnn_0=/cpu:1,rnn_1=/cpu:1,rnn_2=/cpu:1,softmax=/cpu:1",
+     r"unknown part 'rnn_2' in --stages: this model has 2 RNN layer\(s\), rnn_0 ... rnn_1"),
+])
+def test_stages_that_do_not_fit_the_model_fail_before_training(stages, match):
+    plugin = build_strategy(DistConfig(strategy="pipeline", stages=stages))
+    with plugin.scope():
+        model = build_model(MODEL, 20, seed=0)
+    with pytest.raises(ConfigError, match=match) as err:
+        plugin.make_train_step(model, keras.optimizers.SGD(0.1), clip_norm=1.0)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("dist,error,match", [
+    (DistConfig(strategy="pipeline", stages="embedding=/cpu:0,rnn=/gpu:0,softmax=/cpu:1"),
+     DeviceError, r"device '/gpu:0' does not exist on this host; available: /cpu:0"),
+    (DistConfig(strategy="pipeline", stages="embedding=/cpu:0,rnn=/cpu:9,softmax=/cpu:1"),
+     DeviceError, r"device '/cpu:9' does not exist on this host"),
+    (DistConfig(strategy="pipeline", stages="embedding=cpu-zero,rnn=/cpu:1,softmax=/cpu:1"),
+     DeviceError, r"cannot parse device name 'cpu-zero'"),
+    (DistConfig(strategy="pipeline", stages=TWO, devices=("/cpu:0", "/cpu:1")),
+     ConfigError, r"--devices /cpu:0,/cpu:1 and --stages both place the pipeline"),
+    (DistConfig(strategy="pipeline", cpu_devices=9),
+     DeviceError, r"9 devices were asked for"),
+])
+def test_missing_devices_are_one_line_errors(dist, error, match):
+    with pytest.raises(error, match=match) as err:
+        build_strategy(dist)
+    assert "\n" not in str(err.value)
+
+
+def test_cpu_devices_needed_counts_the_stage_devices():
+    assert cpu_devices_needed(DistConfig(strategy="pipeline")) == 2
+    assert cpu_devices_needed(DistConfig(strategy="pipeline", stages=THREE)) == 3
+    assert cpu_devices_needed(DistConfig(
+        strategy="pipeline", stages="embedding=/device:CPU:3,rnn=bad,softmax=/gpu:0")) == 4
+
+
+# ----------------------------------------------------------------- end to end
+@pytest.mark.parametrize("extra", [
+    [],
+    ["--mode", "stream", "--bptt", "8", "--layers", "2", "--stages", THREE],
+])
+def test_train_main_pipeline_trains_evaluates_and_exports(tiny_args, tmp_path, extra):
+    assert cli.train_main(tiny_args + ["--strategy", "pipeline", "--micro-batches", "4"]
+                          + extra) == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["strategy"] == "pipeline" and metrics["replicas"] == 1
+    assert metrics["devices"] == (CPU[:3] if extra else CPU[:2])
+    assert metrics["steps"] == 6
+    assert np.isfinite(metrics["train_ppl"]) and np.isfinite(metrics["test_ppl"])
+    assert os.path.exists(os.path.join(metrics["export_path"], "saved_model.pb"))
+
+
+def test_train_main_bad_stages_is_a_one_line_error(tiny_args, capsys):
+    assert cli.train_main(tiny_args + ["--strategy", "pipeline", "--stages",
+                                       "embedding=/cpu:0,rnn=/cpu:1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: --stages leaves softmax unassigned; give every part a device "
+                       "(embedding, rnn (every RNN layer), rnn_0 ... rnn_{L-1}, softmax)")
+
+
+def test_pipeline_plugin_without_a_model_has_no_stages():
+    plugin = PipelinePlugin(Placement(compute=CPU[:2]), 2)
+    assert plugin.devices == CPU[:2]
+    with pytest.raises(RuntimeError, match="no model yet"):
+        plugin.stages  # noqa: B018

@@ -1,0 +1,199 @@
+"""tfpar.summaries: what goes into the event files, per step and per epoch."""
+
+import glob
+import math
+import os
+import random
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfpar import steps, summaries
+from tfpar.config import Config, ModelConfig
+from tfpar.input_pipeline import InputData
+from tfpar.model import build_model
+from tfpar.vocab import Vocab
+
+LINES = ["a b c d", "b c", "a a b c d e", "e d c", "c a", "d d e a b"]
+
+
+def read_events(run_dir) -> dict:
+    """tag -> [(step, value as ndarray, plugin name)] from every event file of a run."""
+    events = {}
+    for path in sorted(glob.glob(os.path.join(str(run_dir), "events.out.tfevents.*"))):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                events.setdefault(value.tag, []).append(
+                    (event.step, tf.make_ndarray(value.tensor),
+                     value.metadata.plugin_data.plugin_name))
+    return events
+
+
+@pytest.fixture
+def setup():
+    vocab = Vocab.build(LINES)
+    config = Config().replace(model={"embed_dim": 8, "hidden_dim": 8, "layers": 2},
+                              train={"batch_size": 4})
+    data = InputData({"train": LINES, "valid": LINES[:2], "test": LINES[:2]}, vocab,
+                     config.data)
+    return config, vocab, data
+
+
+def test_scalars_text_and_histograms_land_in_their_runs_at_their_steps(tmp_path):
+    writer = summaries.Writer(str(tmp_path))
+    writer.scalars("train", {"loss": 2.5, "perplexity": math.exp(2.5)}, step=7)
+    writer.scalars("eval", {"perplexity": 11.0}, step=9)
+    writer.text("train", "samples", ["one", "two"], step=9)
+    model = build_model(ModelConfig(embed_dim=4, hidden_dim=4), 10)
+    writer.histograms(model, step=9)
+    writer.close()
+    train, evals = read_events(tmp_path / "train"), read_events(tmp_path / "eval")
+    assert train["loss"] == [(7, pytest.approx(2.5), "scalars")]
+    assert evals["perplexity"] == [(9, pytest.approx(11.0), "scalars")]
+    step, value, plugin = train["samples"][0]
+    assert (step, list(value), plugin) == (9, [b"one", b"two"], "text")
+    assert {t for t in train if t.startswith("weights/")} == {
+        "weights/" + v.path for v in model.trainable_variables}
+    assert all(p == "histograms" for t, e in train.items() if t.startswith("weights/")
+               for _, _, p in e)
+
+
+def test_gradient_norms_are_a_histogram_and_one_scalar_per_layer(tmp_path):
+    writer = summaries.Writer(str(tmp_path))
+    writer.gradient_norms({"rnn_lm/embedding/embeddings": 3.0, "rnn_lm/rnn_0/cell/kernel": 1.0,
+                           "rnn_lm/rnn_0/cell/bias": 2.0, "rnn_lm/softmax/kernel": 0.5}, step=4)
+    writer.close()
+    events = read_events(tmp_path / "train")
+    assert events["gradient_norm/embedding"][0][:2] == (4, pytest.approx(3.0))
+    assert events["gradient_norm/rnn_0"][0][1] == pytest.approx(math.sqrt(5.0))
+    assert events["gradient_norm/softmax"][0][1] == pytest.approx(0.5)
+    step, histogram, plugin = events["gradient_norms"][0]
+    assert (step, plugin) == (4, "histograms")
+    assert histogram[:, 2].sum() == pytest.approx(4)  # four variables counted
+
+
+def test_a_process_that_is_not_the_chief_writes_and_profiles_nothing(tmp_path, setup):
+    writer = summaries.Writer(str(tmp_path), is_chief=False)
+    writer.enable_inspection(*setup)
+    model = build_model(setup[0].model, len(setup[1]))
+    writer.scalars("train", {"loss": 1.0}, step=1)
+    writer.text("train", "config", "x")
+    writer.end_epoch(model, step=1)
+    step_fn = lambda batch: batch  # noqa: E731
+    assert writer.instrument(step_fn, lambda: 1, (1, 2)) is step_fn
+    writer.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_epoch_gradient_norms_are_those_of_the_first_unshuffled_train_batch(setup):
+    config, vocab, data = setup
+    inspector = summaries.EpochInspector(config, vocab, data)
+    model = build_model(config.model, len(vocab), seed=9)  # other weights than the copy's
+    inspector.refresh(model)
+    batch = next(iter(data.batches("train", training=False, batch_size=4)))
+    count = tf.reduce_sum(tf.cast(batch["targets"] != 0, tf.float32))
+    grads, _, _, _ = steps.loss_and_grads(model, batch, count, training=False)
+    norms = inspector.gradient_norms(model)
+    assert list(norms) == [v.path for v in model.trainable_variables]
+    np.testing.assert_allclose(list(norms.values()), [float(tf.norm(g)) for g in grads],
+                               rtol=1e-5)
+
+
+def test_the_inspector_reads_a_mirrored_model_like_a_plain_one(setup):
+    config, vocab, data = setup
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        mirrored = build_model(config.model, len(vocab), seed=4)
+    plain = build_model(config.model, len(vocab), seed=4)
+    inspector = summaries.EpochInspector(config, vocab, data)
+    inspector.refresh(mirrored)
+    from_mirrored = inspector.gradient_norms(mirrored)
+    samples = inspector.samples(seed=1)
+    inspector.refresh(plain)
+    assert inspector.gradient_norms(plain) == pytest.approx(from_mirrored, rel=1e-6)
+    assert inspector.samples(seed=1) == samples
+
+
+def test_samples_are_three_draws_and_a_greedy_continuation_fixed_by_the_seed(setup):
+    inspector = summaries.EpochInspector(*setup)
+    texts = inspector.samples(seed=3)
+    assert [t.split(":")[0] for t in texts] == ["sample 1", "sample 2", "sample 3", "greedy"]
+    assert texts[3].startswith("greedy: [a b c] ")  # the first valid sentence's first words
+    assert inspector.samples(seed=3) == texts
+    words = set(setup[1].tokens[3:])
+    for text in texts:
+        assert set(text.split(": ", 1)[1].replace("[", "").replace("]", "").split()) <= words
+
+
+def test_the_copy_leaves_every_global_random_state_alone(setup):
+    def draws():
+        return (random.random(), np.random.random(), float(tf.random.uniform([])))
+
+    random.seed(1), np.random.seed(1), tf.random.set_seed(1)
+    expected = draws()
+    random.seed(1), np.random.seed(1), tf.random.set_seed(1)
+    summaries.EpochInspector(*setup)
+    assert draws() == expected
+
+
+class FakeProfiler:
+    def __init__(self, monkeypatch, log):
+        self.log = log
+        monkeypatch.setattr(tf.profiler.experimental, "start",
+                            lambda logdir: log.append(("start", logdir)))
+        monkeypatch.setattr(tf.profiler.experimental, "stop", lambda: log.append(("stop",)))
+
+
+@pytest.mark.parametrize("first_step,window,expected", [
+    # Start right after step A-1, so the fetch of step A's batch is traced; stop after B.
+    (1, (3, 4), "fetch1 ran1 fetch2 ran2 START fetch3 ran3 fetch4 ran4 STOP fetch5 ran5"),
+    (1, (1, 1), "fetch1 START ran1 STOP fetch2 ran2 fetch3 ran3 fetch4 ran4 fetch5 ran5"),
+    # A run resumed inside the window profiles the rest of it.
+    (4, (3, 5), "fetch4 START ran4 fetch5 ran5 STOP fetch6 ran6 fetch7 ran7 fetch8 ran8"),
+])
+def test_profiler_window_and_graph_written_once(tmp_path, monkeypatch, first_step, window,
+                                                expected):
+    log = []
+    FakeProfiler(monkeypatch, log)
+    counter = {"step": first_step}
+
+    @tf.function
+    def train_step(x):
+        return x * 2.0
+
+    def step_fn(x):
+        log.append(("ran", counter["step"]))
+        out = train_step(x)
+        counter["step"] += 1
+        return out
+
+    writer = summaries.Writer(str(tmp_path))
+    hooked = writer.instrument(step_fn, lambda: counter["step"], window)
+    for _ in range(5):
+        log.append(("fetch", counter["step"]))  # what the loop's `for batch in ...` does
+        assert float(hooked(tf.constant(1.5))) == 3.0
+    writer.close()
+    assert " ".join(f"{e[0]}{e[1]}" if len(e) == 2 and isinstance(e[1], int)
+                    else e[0].upper() for e in log) == expected
+    assert {e[1] for e in log if e[0] == "start"} == {str(tmp_path / "train")}
+    graphs = read_events(tmp_path / "train")["train_step"]
+    assert [(step, plugin) for step, _, plugin in graphs] == [(first_step,
+                                                               "graph_run_metadata_graph")]
+
+
+def test_close_stops_a_profiler_the_run_did_not_reach_the_end_of(tmp_path, monkeypatch):
+    log = []
+    FakeProfiler(monkeypatch, log)
+    writer = summaries.Writer(str(tmp_path))
+    counter = {"step": 1}
+
+    def step_fn():
+        counter["step"] += 1
+
+    hooked = writer.instrument(step_fn, lambda: counter["step"], (2, 100))
+    for _ in range(3):
+        hooked()
+    assert [e[0] for e in log] == ["start"]
+    writer.close()
+    assert [e[0] for e in log] == ["start", "stop"]

@@ -1,0 +1,135 @@
+"""The real TensorBoard serves a training run: scalars, histograms, text, graph.
+
+Starts ``.venv/bin/tensorboard`` against a tiny run's model dir and reads everything back
+over its HTTP API, so what is checked is what a person would see.
+"""
+
+import contextlib
+import glob
+import json
+import math
+import os
+import socket
+import subprocess
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from tfpar.cli import train_main
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TENSORBOARD = os.path.join(REPO, ".venv", "bin", "tensorboard")
+POLL_TRIES, POLL_WAIT = 240, 0.5  # at most ~2 minutes for the server to load the run
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def tensorboard(logdir: str):
+    """Runs TensorBoard on a free port; yields ``get(path) -> parsed JSON or text``."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [TENSORBOARD, "--logdir", logdir, "--port", str(port), "--host", "127.0.0.1",
+         "--load_fast", "false", "--reload_interval", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+
+    def get(path: str, raw: bool = False):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            body = r.read().decode("utf-8")
+        return body if raw else json.loads(body)
+
+    try:
+        yield get, lambda: wait_for(proc, get)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_for(proc, get) -> None:
+    """Polls until the server answers and has loaded both runs (bounded tries)."""
+    for _ in range(POLL_TRIES):
+        try:
+            if {"train", "eval"} <= set(get("/data/runs")):
+                tags = get("/data/plugin/scalars/tags")
+                if "perplexity" in tags.get("eval", {}) and "samples" in get(
+                        "/data/plugin/text/tags").get("train", []):
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        try:  # waits up to POLL_WAIT, and notices a server that died
+            proc.wait(timeout=POLL_WAIT)
+            pytest.fail(f"tensorboard exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        except subprocess.TimeoutExpired:
+            pass
+    pytest.fail(f"tensorboard did not serve the run after {POLL_TRIES} tries")
+
+
+def q(**params) -> str:
+    return urllib.parse.urlencode(params)
+
+
+def test_tensorboard_serves_scalars_histograms_text_graph_and_a_profile(tiny_args, tmp_path):
+    # One full epoch (no --max-steps), so the per-epoch summaries are written too.
+    assert train_main(tiny_args + ["--max-steps", "0", "--profile-steps", "2,3",
+                                   "--log-every", "5"]) == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    run_dir = str(tmp_path / "run")
+
+    with tensorboard(run_dir) as (get, ready):
+        ready()
+        assert {"train", "eval"} <= set(get("/data/runs"))
+
+        tags = get("/data/plugin/scalars/tags")
+        assert {"loss", "perplexity", "tokens_per_sec", "learning_rate", "grad_norm",
+                "gradient_norm/embedding", "gradient_norm/rnn_0",
+                "gradient_norm/softmax"} <= set(tags["train"])
+        assert {"perplexity", "final_test_perplexity"} <= set(tags["eval"])
+
+        train_ppl = get("/data/plugin/scalars/scalars?" + q(run="train", tag="perplexity"))
+        train_loss = get("/data/plugin/scalars/scalars?" + q(run="train", tag="loss"))
+        steps = [step for _, step, _ in train_ppl]
+        assert steps[:3] == [1, 5, 10] and steps == sorted(steps)
+        for (_, _, ppl), (_, _, loss) in zip(train_ppl, train_loss):
+            assert ppl == pytest.approx(math.exp(loss), rel=1e-5)
+        speed = get("/data/plugin/scalars/scalars?" + q(run="train", tag="tokens_per_sec"))
+        assert all(value > 0 for _, _, value in speed)
+        eval_ppl = get("/data/plugin/scalars/scalars?" + q(run="eval", tag="perplexity"))
+        assert len(eval_ppl) == 1
+        assert eval_ppl[0][1] == metrics["steps"]
+        # One epoch and no more training: the epoch's valid perplexity is the final one.
+        assert eval_ppl[0][2] == pytest.approx(metrics["valid_ppl"], rel=1e-5)
+
+        histograms = get("/data/plugin/histograms/tags")["train"]
+        assert "gradient_norms" in histograms
+        assert "weights/rnn_lm/rnn_0/lstm_cell/kernel" in histograms
+        norms = get("/data/plugin/histograms/histograms?" + q(run="train", tag="gradient_norms"))
+        assert len(norms) == 1 and norms[0][1] == metrics["steps"]
+        assert sum(bucket[2] for bucket in norms[0][2]) == pytest.approx(6)  # 6 variables
+
+        assert {"config", "samples"} <= set(get("/data/plugin/text/tags")["train"])
+        samples = get("/data/plugin/text/text?" + q(run="train", tag="samples"))
+        assert samples[0]["step"] == metrics["steps"]
+        for prefix in ("sample 1: ", "sample 2: ", "sample 3: ", "greedy: ["):
+            assert prefix in samples[0]["text"]
+
+        graphs = get("/data/plugin/graphs/info")["train"]["tags"]
+        assert graphs["train_step"]["op_graph"] is True
+        graph = get("/data/plugin/graphs/graph?" + q(run="train", tag="train_step"), raw=True)
+        assert 'op: "SparseSoftmaxCrossEntropyWithLogits"' in graph  # the loss is in it
+
+    traces = glob.glob(os.path.join(run_dir, "train", "plugins", "profile", "*", "*.xplane.pb"))
+    assert len(traces) == 1
+    with open(traces[0], "rb") as f:
+        trace = f.read()
+    assert b"Iterator::" in trace  # the input pipeline's events are in the profile

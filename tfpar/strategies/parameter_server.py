@@ -1,0 +1,338 @@
+"""``parameter_server``: asynchronous training (``ParameterServerStrategy`` + ``ClusterCoordinator``).
+
+Tasks (``TF_CONFIG``, see ``tfpar.cluster``): ``ps`` tasks hold the variables, ``worker``
+tasks compute steps, and the ``chief`` is the coordinator: it runs the training loop,
+schedules steps, evaluates and writes checkpoints, events, metrics and the export.
+Worker and ps processes run ``scripts/train.py`` too, with the same flags; they only
+serve (:class:`ServerTask`) until they are stopped.
+
+Asynchrony. The coordinator queues steps (``coordinator.schedule``); whichever worker is
+free takes the next one: it reads the current parameters from the ps tasks, computes
+the gradient of one whole batch (``--batch-size`` rows) and applies it at once, without
+waiting for the other workers. Meanwhile the others may have updated the parameters, so a
+gradient can be a few updates stale; which worker runs which step, and the order in which
+updates land, depend on timing, so two runs are not bit-identical. The loop reads results
+only at sync points (``coordinator.join()``: every ``--checkpoint-every`` steps and at the
+end of each epoch), never after every step.
+
+Input. A worker reads its own share of every epoch's global batches (every W-th batch,
+starting at its worker index, via ``experimental_get_current_worker_index``), repeated:
+an epoch is as many scheduled steps as the epoch has batches, but a faster worker may
+take more steps than its share and re-read some of its batches while a slower one leaves
+a few unread.
+
+Evaluation runs on the coordinator, exactly (every valid/test batch once): after a sync
+point it copies the parameters into a local model and evaluates that copy, so training
+workers are never slowed or raced by evaluation.
+
+Sharding. With more than one ps task, variables are spread over them: large ones are
+partitioned (``MinSizePartitioner``: shards of at least 256 KiB, at most one per ps task),
+small ones placed whole, round-robin.
+
+Why the update is not ``optimizer.apply_gradients``. Keras 3 does not support
+parameter-server training (keras-team/keras#18624), and its ``apply_gradients`` fails
+here: it dispatches through ``distribution.extended.update``, which cannot colocate with a
+partitioned (``ShardedVariable``) parameter, and it counts steps with a read-then-assign
+``iterations.assign_add`` that loses increments when workers overlap (37 of 40 steps
+were counted in a trial). The step computes gradients per shard itself, then calls the
+optimizer's public per-variable ``update_step`` (Keras's own SGD/Adam math and slots, so
+checkpoints look like every other strategy's) and counts the step with one atomic
+``assign_add`` on the ps. Two more Keras 3 gaps are patched in :meth:`scope`: optimizer
+slots asked to be colocated with their variable would land on the coordinator (TF ignores
+colocation in eager mode), and a Keras variable cannot checkpoint a ``ShardedVariable``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+
+import tensorflow as tf
+
+from tfpar import cluster, steps
+from tfpar.config import DistConfig
+from tfpar.errors import ConfigError
+from tfpar.model import RNNLanguageModel
+from tfpar.strategies.base import StrategyPlugin
+from tfpar.steps import StepOutput
+
+log = logging.getLogger(__name__)
+ShardedVariable = tf.__internal__.distribute.ShardedVariable
+# Partition a variable only into shards of at least this many bytes (TF's default).
+MIN_SHARD_BYTES = 256 << 10
+
+
+class CheckpointedShards(ShardedVariable):
+    """A ``ShardedVariable`` a Keras 3 variable can checkpoint.
+
+    A Keras variable saves what it wraps through ``_serialize_to_tensors``, which
+    ``ShardedVariable`` lacks (it has only legacy saveables), and then fails. This one
+    saves the whole value under the Keras variable's key - the checkpoint an unsharded
+    variable writes, so any strategy can restore it - and restores by slicing.
+    """
+
+    def _serialize_to_tensors(self):
+        return {"VARIABLE_VALUE": tf.convert_to_tensor(self)}
+
+    def _restore_from_tensors(self, restored_tensors):
+        return self.assign(restored_tensors["VARIABLE_VALUE"])
+
+
+def _ps_variable_creator(next_creator, **kwargs):
+    """Variables created in :meth:`ParameterServerPlugin.scope` (see the module docstring)."""
+    # Keras colocates optimizer slots with their variable; ParameterServerStrategy honours
+    # colocation only in graphs, so in eager mode the slot would land on the coordinator.
+    # Without the request the strategy places it on the ps tasks like any variable.
+    kwargs.pop("colocate_with", None)
+    variable = next_creator(**kwargs)
+    if isinstance(variable, ShardedVariable) and not isinstance(variable, CheckpointedShards):
+        variable = CheckpointedShards(variable.variables, name=variable.name)
+    return variable
+
+
+def shard_parts(variable) -> list:
+    """What a gradient is taken with respect to: the shards of a partitioned variable, or
+    the variable itself."""
+    inner = getattr(variable, "value", variable)
+    return list(inner.variables) if isinstance(inner, ShardedVariable) else [variable]
+
+
+def loss_and_grads(model, batch: dict, count: tf.Tensor):
+    """``tfpar.steps.loss_and_grads`` for partitioned variables: gradients per shard,
+    concatenated into one gradient per model variable (Keras's variables cannot be
+    differentiated through a ``ShardedVariable``).
+
+    Returns:
+      ``(grads, nll_sum, count)``, one dense gradient per ``model.trainable_variables``.
+    """
+    parts = [shard_parts(v) for v in model.trainable_variables]
+    with tf.GradientTape() as tape:
+        nll_sum, count_here, _ = steps.forward(model, batch, None, training=True)
+        loss = nll_sum / tf.maximum(count, 1.0)
+    flat = tape.gradient(loss, [p for group in parts for p in group])
+    grads, i = [], 0
+    for group in parts:
+        pieces = [tf.convert_to_tensor(g) for g in flat[i:i + len(group)]]
+        i += len(group)
+        grads.append(pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=0))
+    return grads, nll_sum, count_here
+
+
+def apply_update(optimizer, grads, variables) -> None:
+    """One optimizer step with Keras's own math, dispatched per variable, and an atomic
+    step count (see the module docstring)."""
+    learning_rate = optimizer.learning_rate
+    for grad, variable in zip(grads, variables):
+        optimizer.update_step(grad, variable, learning_rate)
+    optimizer.iterations.value.assign_add(1)
+
+
+class ParameterServerPlugin(StrategyPlugin):
+    """The coordinator's side of parameter-server training."""
+
+    name = "parameter_server"
+    asynchronous = True
+
+    def __init__(self, strategy: tf.distribute.ParameterServerStrategy,
+                 coordinator: tf.distribute.coordinator.ClusterCoordinator,
+                 config: cluster.ClusterConfig):
+        self.strategy, self.coordinator, self.cluster = strategy, coordinator, config
+        # Bumped by every scheduled step; an eval step copies the parameters again when
+        # its copy is older.
+        self._version = 0
+
+    @property
+    def num_replicas(self) -> int:
+        # One step = one worker on one whole batch; workers do not split batches.
+        return 1
+
+    @property
+    def num_workers(self) -> int:
+        return self.cluster.count("worker")
+
+    @property
+    def devices(self) -> list[str]:
+        return [f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(self.num_workers)]
+
+    def describe(self) -> str:
+        return (f"parameter_server: coordinator {self.cluster.address}, "
+                f"{self.num_workers} worker(s), {self.cluster.count('ps')} ps task(s)")
+
+    def check_config(self, config) -> None:
+        if config.data.mode == "stream":
+            raise ConfigError("--mode stream carries the RNN state from one window to the next, "
+                              "which asynchronous workers cannot do; use --mode sentence with "
+                              "--strategy parameter_server")
+        if config.run.profile_steps:
+            raise ConfigError("--profile-steps profiles steps in the training process, but "
+                              "parameter_server steps run on the workers; profile a "
+                              "single-process strategy instead")
+
+    @contextlib.contextmanager
+    def scope(self):
+        with self.strategy.scope(), tf.variable_creator_scope(_ps_variable_creator):
+            yield
+
+    # -- input
+    def distribute(self, dataset_fn):
+        """The coordinator's own batches (evaluation runs on the coordinator)."""
+        return dataset_fn(None)
+
+    def distribute_to_workers(self, dataset_fn):
+        """Per-worker iterators: worker i reads global batches i, i+W, ... repeatedly."""
+        workers = self.num_workers
+
+        def worker_dataset(input_context):
+            index = tf.distribute.coordinator.experimental_get_current_worker_index()
+            return dataset_fn(input_context).shard(workers, index).repeat()
+
+        @tf.function
+        def per_worker():
+            return self.strategy.distribute_datasets_from_function(worker_dataset)
+
+        return iter(self.coordinator.create_per_worker_dataset(per_worker))
+
+    # -- steps
+    def make_train_step(self, model, optimizer, *, clip_norm):
+        strategy = self.strategy
+        sharded = [v.path for v in model.trainable_variables if len(shard_parts(v)) > 1]
+        log.info("variables on %d ps task(s); partitioned: %s", self.cluster.count("ps"),
+                 ", ".join(sharded) or "none (each is below %d KiB per shard)" % (MIN_SHARD_BYTES >> 10))
+
+        def replica_step(batch):
+            count = tf.reduce_sum(tf.cast(batch["targets"] != 0, tf.float32))
+            grads, nll_sum, count = loss_and_grads(model, batch, count)
+            norm = tf.linalg.global_norm(grads)
+            factor = steps.clip_factor(norm, clip_norm)
+
+            def update():
+                apply_update(optimizer, [g * factor for g in grads], model.trainable_variables)
+                return tf.constant(True)
+
+            # A non-finite gradient never reaches the parameters (nor the step count);
+            # the loop then stops or moves on, per --on-nan.
+            tf.cond(tf.math.is_finite(norm), update, lambda: tf.constant(False))
+            return dict(nll_sum=nll_sum, count=count, grad_norm=norm)
+
+        @tf.function
+        def worker_step(iterator):
+            return strategy.run(replica_step, args=(next(iterator),))
+
+        def step(iterator, state=None):
+            """Schedules one step on a free worker; returns its future at once."""
+            self._version += 1
+            return self.coordinator.schedule(worker_step, args=(iterator,))
+
+        return step
+
+    def make_eval_step(self, model):
+        copy = local_copy(model)
+        copied = [-1]  # the version of the parameters in ``copy``
+
+        @tf.function(reduce_retracing=True)
+        def eval_step(batch):
+            nll_sum, count, _ = steps.forward(copy, batch, None, training=False)
+            return dict(nll_sum=nll_sum, count=count)
+
+        def step(batch, state=None):
+            if copied[0] != self._version:
+                self.join()
+                copy.set_weights(model.get_weights())
+                copied[0] = self._version
+            return StepOutput(**eval_step(batch))
+
+        return step
+
+    def join(self) -> None:
+        self.coordinator.join()
+
+    def fetch(self, output) -> StepOutput:
+        return StepOutput(**output.fetch())
+
+
+def local_copy(model: RNNLanguageModel) -> RNNLanguageModel:
+    """The model's architecture with variables on the coordinator (call outside any
+    strategy scope); Python's ``random`` (Keras's default initialisers draw from it) is
+    restored, so the copy leaves the run's seeds alone."""
+    state = random.getstate()
+    try:
+        copy = RNNLanguageModel(model.config, model.vocab_size, name="rnn_lm")
+        copy(tf.zeros([1, 1], tf.int32))
+    finally:
+        random.setstate(state)
+    return copy
+
+
+class ServerTask(StrategyPlugin):
+    """A worker or ps task of a parameter-server cluster: it serves, it does not train."""
+
+    name = "parameter_server"
+
+    def __init__(self, config: cluster.ClusterConfig):
+        self.cluster = config
+
+    @property
+    def is_server(self) -> bool:
+        return True
+
+    @property
+    def is_chief(self) -> bool:
+        return False
+
+    @property
+    def num_replicas(self) -> int:
+        return 0
+
+    @property
+    def devices(self) -> list[str]:
+        return []
+
+    def describe(self) -> str:
+        return f"parameter_server: {self.cluster.task_name} serving at {self.cluster.address}"
+
+    def serve(self) -> None:
+        cluster.check_port_free(self.cluster.address)
+        server = tf.distribute.Server(
+            tf.train.ClusterSpec({job: list(a) for job, a in self.cluster.cluster.items()}),
+            job_name=self.cluster.task_type, task_index=self.cluster.task_index,
+            protocol="grpc", start=True)
+        log.info("%s serving; it runs until it is stopped", self.cluster.task_name)
+        server.join()
+
+    def _not_here(self, *args, **kwargs):
+        raise RuntimeError(f"{self.cluster.task_name} of a parameter_server cluster only serves")
+
+    distribute = make_train_step = make_eval_step = _not_here
+
+
+def build_parameter_server(dist: DistConfig) -> StrategyPlugin:
+    """The coordinator plug-in on the chief; a :class:`ServerTask` on workers and ps tasks.
+
+    Raises:
+      ClusterError: TF_CONFIG is unset or malformed, has no chief, workers or ps, or this
+        task's port is taken.
+      ConfigError: --devices or --cpu-devices > 1 (a worker computes a step on its CPU:0
+        or its GPU).
+    """
+    config = cluster.require_cluster("parameter_server")
+    if dist.devices or dist.cpu_devices > 1:
+        flag = f"--devices {','.join(dist.devices)}" if dist.devices else \
+            f"--cpu-devices {dist.cpu_devices}"
+        raise ConfigError(f"{flag}: parameter_server runs each step on one worker's GPU or "
+                          "CPU; add workers (launch_local.py --workers N) instead")
+    # Fail fast instead of hanging when a worker or ps task is gone (TF's recommendation).
+    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    if config.task_type != "chief":
+        return ServerTask(config)
+    cluster.check_port_free(config.address)
+    partitioner = None
+    if config.count("ps") > 1:
+        partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+            min_shard_bytes=MIN_SHARD_BYTES, max_shards=config.count("ps"))
+    strategy = tf.distribute.ParameterServerStrategy(
+        tf.distribute.cluster_resolver.TFConfigClusterResolver(),
+        variable_partitioner=partitioner)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    return ParameterServerPlugin(strategy, coordinator, config)
