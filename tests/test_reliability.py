@@ -167,3 +167,29 @@ def test_non_finite_steps_are_skipped_with_on_nan_skip(tiny_args, tmp_path):
     assert code == 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["skipped_batches"] > 0
+
+
+def test_full_disk_while_checkpointing_is_one_line_and_keeps_the_last_checkpoint(
+        tiny_args, capsys, tmp_path, monkeypatch):
+    import errno
+
+    from tfpar import checkpoints
+
+    real_save = tf.train.CheckpointManager.save
+    calls = []
+
+    def failing_save(self, checkpoint_number=None, **kw):
+        calls.append(checkpoint_number)
+        if checkpoint_number == 4:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(self, checkpoint_number=checkpoint_number, **kw)
+
+    monkeypatch.setattr(tf.train.CheckpointManager, "save", failing_save)
+    code = train_main(tiny_args + ["--checkpoint-every", "2"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2
+    assert err.startswith("error: cannot write the checkpoint of step 4 to ")
+    assert "No space left on device; free space or give another --model-dir" in err
+    state = tf.train.get_checkpoint_state(str(tmp_path / "run" / "checkpoints"))
+    assert state.model_checkpoint_path.endswith("ckpt-2")
+    assert not (tmp_path / "export").exists()

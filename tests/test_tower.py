@@ -3,6 +3,9 @@
 import functools
 import json
 import os
+import re
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -218,6 +221,66 @@ def test_traced_step_places_towers_and_updates(reduce):
         assert len(adds) == len(gathers) == 6
         assert sorted(op.device for op in adds) == sorted(CPU[:3] * 2)
         assert sorted(op.device for op in gathers) == sorted(CPU[:3] * 2)
+
+
+PLACEMENT_SCRIPT = """
+import tensorflow as tf
+from tfpar.cli import prepare_runtime
+from tfpar.config import DistConfig, ModelConfig
+from tfpar.model import build_model
+from tfpar.strategies import build_strategy
+import keras
+
+dist = DistConfig(strategy="tower", cpu_devices=3, devices=("/cpu:0", "/cpu:1"),
+                  variable_device="/cpu:2", log_device_placement=True)
+prepare_runtime(dist)
+plugin = build_strategy(dist)
+with plugin.scope():
+    model = build_model(ModelConfig(embed_dim=4, hidden_dim=4), 10)
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(model.trainable_variables)
+batch = {"inputs": tf.constant([[2, 5, 6], [2, 7, 0], [2, 8, 9]]),
+         "targets": tf.constant([[5, 6, 2], [7, 2, 0], [8, 9, 2]])}
+plugin.make_train_step(model, optimizer, clip_norm=1.0)(batch)
+"""
+
+
+def test_log_device_placement_shows_where_tower_ops_ran(tmp_path):
+    """--log-device-placement (via the CLI's prepare_runtime) prints TF's placer log; it
+    shows where ops actually ran: tower 1's forward and gradient ops on /cpu:1, its reads
+    of the weights and the optimizer's updates on the variable device /cpu:2."""
+    script = tmp_path / "placement.py"
+    script.write_text(PLACEMENT_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__)),
+               TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    placed = {}  # op name -> (op type, device), from lines "name: (Type): /job:.../device:X:N"
+    for line in proc.stdout.splitlines():
+        m = re.match(r"^(\S+): \((\w+)\): /job:localhost/replica:0/task:0/device:(CPU:\d)$",
+                     line)
+        if m:
+            placed[m.group(1)] = (m.group(2), m.group(3))
+    forward = {n: v for n, v in placed.items() if n.startswith("tower_1/")}
+    backward = {n: v for n, v in placed.items() if n.startswith("gradient_tape/tower_1/")}
+    assert len(forward) > 20 and len(backward) > 20
+    for name, (op_type, device) in {**forward, **backward}.items():
+        assert device == ("CPU:2" if op_type == "ReadVariableOp" else "CPU:1"), name
+    updates = [v for v in placed.values() if v[0] == "AssignSubVariableOp"]
+    assert len(updates) == 6 and {d for _, d in updates} == {"CPU:2"}
+
+
+def test_non_finite_gradient_leaves_the_weights_alone():
+    """--on-nan relies on the step: an inf/NaN gradient must not reach the weights."""
+    plugin, model, step = fresh(DistConfig(strategy="tower", devices=tuple(CPU[:2])))
+    bias = model.get_layer("softmax").bias
+    bias.assign(np.full(bias.shape, np.nan, np.float32))
+    before = [w.copy() for w in model.get_weights()]
+    out = step(batch_of([[5, 6, 7, 2], [8, 9, 2, 0]]))
+    assert not np.isfinite(float(out.grad_norm))
+    for a, b in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_default_variable_device():

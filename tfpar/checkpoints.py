@@ -101,7 +101,16 @@ class Checkpointer:
         if step == self._last_saved:
             return
         if self.is_chief:
-            self.manager.save(checkpoint_number=step)
+            try:
+                self.manager.save(checkpoint_number=step)
+            except (OSError, tf.errors.OpError) as e:
+                # TF writes a checkpoint under temporary names and renames it last, so a
+                # failed write leaves the previous checkpoint as the latest one.
+                reason = getattr(e, "strerror", None) or getattr(e, "message", None) or str(e)
+                raise CheckpointError(
+                    f"cannot write the checkpoint of step {step} to {self.directory}: "
+                    f"{reason.strip().splitlines()[0]}; free space or give another "
+                    "--model-dir, then run again to resume from the last checkpoint") from None
         else:
             scratch = tempfile.mkdtemp(prefix="tfpar-worker-checkpoint-")
             try:

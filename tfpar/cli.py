@@ -237,12 +237,14 @@ def prepare_runtime(dist: cfg.DistConfig) -> None:
     from tfpar.cluster import CLUSTER_STRATEGIES
     from tfpar.strategies import cpu_devices_needed
 
+    # First: TF reads the placement log setting only when its runtime initialises (and
+    # configure_cpu_devices initialises it); set later, the log stays silent.
+    devices.set_placement_options(log_placement=dist.log_device_placement,
+                                  soft_placement=dist.soft_placement)
     # Cluster strategies configure TF's collective/gRPC runtime, which must happen before
     # it initialises (listing devices would); they use one CPU device per task.
     if dist.strategy not in CLUSTER_STRATEGIES:
         devices.configure_cpu_devices(cpu_devices_needed(dist))
-    devices.set_placement_options(log_placement=dist.log_device_placement,
-                                  soft_placement=dist.soft_placement)
 
 
 def run_main(body: Callable[[], int | None]) -> int:

@@ -107,9 +107,9 @@ class TowerPlugin(StrategyPlugin):
             with tf.device(var_device), tf.name_scope("update"):
                 norm = tf.linalg.global_norm(total)
                 factor = steps.clip_factor(norm, clip_norm)
-                optimizer.apply_gradients(
-                    zip([g * factor for g in total], model.trainable_variables)
-                )
+                # Once, and not at all when the gradient is inf/NaN (--on-nan).
+                steps.apply_if_finite(optimizer, [g * factor for g in total],
+                                      model.trainable_variables, norm)
                 return dict(
                     nll_sum=tf.add_n(nlls), count=tf.add_n(counts), grad_norm=norm,
                     state=self._join(finals, shards, detach=True),
