@@ -245,6 +245,9 @@ plugin.make_train_step(model, optimizer, clip_norm=1.0)(batch)
 """
 
 
+VARIABLE_HANDLE_OPS = {"ReadVariableOp", "VariableShape", "Enter", "Const"}
+
+
 def test_log_device_placement_shows_where_tower_ops_ran(tmp_path):
     """--log-device-placement (via the CLI's prepare_runtime) prints TF's placer log; it
     shows where ops actually ran: tower 1's forward and gradient ops on /cpu:1, its reads
@@ -264,9 +267,15 @@ def test_log_device_placement_shows_where_tower_ops_ran(tmp_path):
             placed[m.group(1)] = (m.group(2), m.group(3))
     forward = {n: v for n, v in placed.items() if n.startswith("tower_1/")}
     backward = {n: v for n, v in placed.items() if n.startswith("gradient_tape/tower_1/")}
-    assert len(forward) > 20 and len(backward) > 20
-    for name, (op_type, device) in {**forward, **backward}.items():
-        assert device == ("CPU:2" if op_type == "ReadVariableOp" else "CPU:1"), name
+    for ops in (forward, backward):
+        # Every computing op on the tower; the ops that touch a weight's resource handle
+        # (reads, shape queries, entering it into the RNN loop) go where the weight lives.
+        computing = {n: d for n, (t, d) in ops.items() if t not in VARIABLE_HANDLE_OPS}
+        assert len(computing) > 50 and set(computing.values()) == {"CPU:1"}
+        assert "MatMul" in {t for t, _ in ops.values()}
+        assert {d for t, d in ops.values() if t in ("ReadVariableOp", "VariableShape")} <= {
+            "CPU:2"}
+    assert any(t == "ReadVariableOp" for t, _ in forward.values())
     updates = [v for v in placed.values() if v[0] == "AssignSubVariableOp"]
     assert len(updates) == 6 and {d for _, d in updates} == {"CPU:2"}
 

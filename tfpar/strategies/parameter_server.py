@@ -327,6 +327,11 @@ def build_parameter_server(dist: DistConfig) -> StrategyPlugin:
     if config.task_type != "chief":
         return ServerTask(config)
     cluster.check_port_free(config.address)
+    # The steps the coordinator sends to workers leave their outputs on "/device:CPU:0",
+    # which without soft placement matches the CPU of every task and fails.
+    if not tf.config.get_soft_device_placement():
+        log.info("parameter_server: soft device placement on (its worker functions need it)")
+        tf.config.set_soft_device_placement(True)
     partitioner = None
     if config.count("ps") > 1:
         partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(

@@ -1,0 +1,402 @@
+"""Fast LSTM and GRU layers for CPUs: Keras' layers with a leaner recurrence.
+
+On a host without a GPU, Keras 3's ``LSTM``/``GRU`` run a generic ``tf.while_loop`` whose
+body calls the cell: every time step multiplies the step's input by the input kernel,
+and its gradient adds one ``[D, 4H]`` kernel gradient per step. :class:`FastLSTM` and
+:class:`FastGRU` are the same Keras layers (same weights, variable names, initializers,
+masking, states and config) with only the inner loop replaced:
+
+1. the input projection of every time step is one large matmul before the loop::
+
+       XW [T, B, G] = X [T, B, D] @ W [D, G] + b            (G = 4H LSTM, 3H GRU)
+
+2. the loop runs only ``h @ U`` and the gate arithmetic;
+3. its gradient is written by hand (back-propagation through time): the loop going
+   backwards only produces each step's gate gradients ``dZ_t`` and ``dh_{t-1} = dZ_t @ U^T``;
+   the weight gradients come after it as two large matmuls, ``dU = H_prev^T dZ`` and
+   ``dW = X^T dZ`` (autodiff through step 1).
+
+Both loops are compiled with XLA (``jit_compile``), which fuses each step's element-wise
+gate ops into a few kernels; that is where most of the time of small recurrent layers
+goes (per-op overhead, not FLOPs). Anything the fast path does not cover (recurrent
+dropout, other activations, ``go_backwards``, ``unroll``, no bias, GRU ``reset_after=False``)
+falls back to Keras' own loop, so the layers are drop-in replacements.
+
+Masking follows Keras exactly: at a masked step the state is carried unchanged and the
+output repeats the previous output (zeros before the first unmasked step).
+
+``matmul_dtype="bfloat16"`` runs the two large matmuls (input projection and weight
+gradients) in bfloat16 with float32 accumulation and float32 state; it pays off on CPUs
+with AMX/AVX512-BF16 and changes results at the ~1e-2 relative level.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+# Compile the recurrences with XLA; the tests switch it off to compare both paths.
+JIT = True
+
+
+# ----------------------------------------------------------------------------- helpers
+def _time_major_mask(mask, dtype) -> tf.Tensor | None:
+    """[B, T] bool mask → [T, B, 1] float (1 = real step), or None."""
+    if mask is None:
+        return None
+    return tf.cast(tf.transpose(mask)[:, :, None], dtype)
+
+
+def _project(x, kernel, bias, matmul_dtype):
+    """[B, T, D] @ [D, G] + [G] → time-major [T, B, G], one matmul for every step."""
+    xt = tf.transpose(x, [1, 0, 2])
+    shape = tf.shape(xt)
+    flat = tf.reshape(xt, [-1, shape[2]])
+    if matmul_dtype is not None:
+        xw = tf.cast(tf.matmul(tf.cast(flat, matmul_dtype), tf.cast(kernel, matmul_dtype)),
+                     x.dtype)
+    else:
+        xw = tf.matmul(flat, kernel)
+    if bias is not None:
+        xw = xw + bias
+    return tf.reshape(xw, [shape[0], shape[1], -1])
+
+
+def _outputs(hs, m):
+    """Carried states [T, B, H] → Keras' outputs [B, T, H].
+
+    Where a row has had no real step yet, Keras outputs zeros (its previous output
+    starts at zero); everywhere else the carried state is the previous output.
+    """
+    if m is not None:
+        seen = tf.math.cumsum(m, axis=0) > 0
+        hs = tf.where(seen, hs, tf.zeros_like(hs))
+    return tf.transpose(hs, [1, 0, 2])
+
+
+def _weight_grad(prev, dz, matmul_dtype):
+    """Σ_t prev_t^T dz_t as one matmul: [T, B, H], [T, B, G] → [H, G]."""
+    a = tf.reshape(prev, [-1, tf.shape(prev)[-1]])
+    b = tf.reshape(dz, [-1, tf.shape(dz)[-1]])
+    if matmul_dtype is not None:
+        return tf.cast(tf.matmul(tf.cast(a, matmul_dtype), tf.cast(b, matmul_dtype),
+                                 transpose_a=True), prev.dtype)
+    return tf.matmul(a, b, transpose_a=True)
+
+
+_COMPILED: dict = {}
+
+
+def _jit(fn):
+    """``fn`` compiled with XLA (one tf.function per fn, so compilations are cached across
+    layers and traces), or ``fn`` itself when ``JIT`` is off."""
+    if not JIT:
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = tf.function(fn, jit_compile=True)
+    return _COMPILED[fn]
+
+
+def _array(n, dtype):
+    return tf.TensorArray(dtype, size=n, element_shape=None)
+
+
+# ----------------------------------------------------------------------------- LSTM
+def _lstm_forward(xw, h0, c0, m, u):
+    """The LSTM recurrence over precomputed input projections.
+
+    Args:
+      xw: [T, B, 4H] input projections incl. bias (Keras gate order i, f, c, o).
+      h0, c0: [B, H] initial state.
+      m: [T, B, 1] float mask or None.
+      u: [H, 4H] recurrent kernel.
+
+    Returns:
+      ``(hs, cs, acts)``: carried h and c per step, [T, B, H] each, and the activated
+      gates [T, B, 4H] (kept for the backward pass).
+    """
+    n = tf.shape(xw)[0]
+    units = tf.shape(h0)[1]
+
+    def body(t, h, c, hs, cs, acts):
+        z = xw[t] + tf.matmul(h, u)
+        sig = tf.sigmoid(z)
+        i, f, o = sig[:, :units], sig[:, units:2 * units], sig[:, 3 * units:]
+        g = tf.tanh(z[:, 2 * units:3 * units])
+        c_new = f * c + i * g
+        h_new = o * tf.tanh(c_new)
+        if m is not None:
+            h_new = h + m[t] * (h_new - h)
+            c_new = c + m[t] * (c_new - c)
+        act = tf.concat([i, f, g, o], axis=1)
+        return t + 1, h_new, c_new, hs.write(t, h_new), cs.write(t, c_new), acts.write(t, act)
+
+    _, _, _, hs, cs, acts = tf.while_loop(
+        lambda t, *_: t < n, body,
+        (0, h0, c0, _array(n, xw.dtype), _array(n, xw.dtype), _array(n, xw.dtype)),
+    )
+    return hs.stack(), cs.stack(), acts.stack()
+
+
+def _lstm_backward(dhs, dc_last, cs, c0, acts, m, u):
+    """Back-propagation through the LSTM recurrence.
+
+    Args:
+      dhs: [T, B, H] gradient w.r.t. the carried h of every step.
+      dc_last: [B, H] gradient w.r.t. the final c.
+      cs, c0, acts, m, u: as saved by :func:`_lstm_forward`.
+
+    Returns:
+      ``(dz, dh0, dc0)``: the gate pre-activation gradients [T, B, 4H] (= the gradient of
+      ``xw``) and the gradients of the initial state.
+    """
+    n = tf.shape(dhs)[0]
+    units = tf.shape(c0)[1]
+    ut = tf.transpose(u)
+    cs_prev = tf.concat([c0[None], cs[:-1]], axis=0)
+
+    def body(t, dh, dc, dz_arr):
+        dh = dh + dhs[t]
+        c, c_prev = cs[t], cs_prev[t]
+        act = acts[t]
+        i, f, g, o = (act[:, :units], act[:, units:2 * units], act[:, 2 * units:3 * units],
+                      act[:, 3 * units:])
+        if m is not None:
+            keep = 1.0 - m[t]
+            dh_cell, dc_cell = dh * m[t], dc * m[t]
+        else:
+            dh_cell, dc_cell = dh, dc
+        tc = tf.tanh(c)
+        dcc = dc_cell + dh_cell * o * (1.0 - tc * tc)
+        dz = tf.concat([
+            dcc * g * i * (1.0 - i),
+            dcc * c_prev * f * (1.0 - f),
+            dcc * i * (1.0 - g * g),
+            dh_cell * tc * o * (1.0 - o),
+        ], axis=1)
+        dh_prev = tf.matmul(dz, ut)
+        dc_prev = dcc * f
+        if m is not None:
+            dh_prev += keep * dh
+            dc_prev += keep * dc
+        return t - 1, dh_prev, dc_prev, dz_arr.write(t, dz)
+
+    _, dh0, dc0, dz = tf.while_loop(
+        lambda t, *_: t >= 0, body,
+        (n - 1, tf.zeros_like(c0), dc_last, _array(n, dhs.dtype)),
+    )
+    return dz.stack(), dh0, dc0
+
+
+def lstm_sequence(x, h0, c0, mask, kernel, recurrent_kernel, bias, *, matmul_dtype=None):
+    """Runs an LSTM over a batch of sequences (Keras' math and gate order).
+
+    Args:
+      x: [B, T, D] inputs.
+      h0, c0: [B, H] initial state.
+      mask: [B, T] bool (True = real step) or None.
+      kernel: [D, 4H]; recurrent_kernel: [H, 4H]; bias: [4H] or None.
+      matmul_dtype: None, or tf.bfloat16 for the large matmuls.
+
+    Returns:
+      ``(outputs [B, T, H], h [B, H], c [B, H])``.
+    """
+    m = _time_major_mask(mask, x.dtype)
+    xw = _project(x, kernel, bias, matmul_dtype)
+    forward, backward = _jit(_lstm_forward), _jit(_lstm_backward)
+
+    @tf.custom_gradient
+    def recurrence(xw, h0, c0, u):
+        hs, cs, acts = forward(xw, h0, c0, m, u)
+
+        def grad(dhs, dc_last):
+            dz, dh0, dc0 = backward(dhs, dc_last, cs, c0, acts, m, u)
+            h_prev = tf.concat([h0[None], hs[:-1]], axis=0)
+            return dz, dh0, dc0, _weight_grad(h_prev, dz, matmul_dtype)
+
+        return (hs, cs[-1]), grad
+
+    hs, c = recurrence(xw, h0, c0, recurrent_kernel)
+    return _outputs(hs, m), hs[-1], c
+
+
+# ----------------------------------------------------------------------------- GRU
+def _gru_forward(xw, h0, m, u, b_rec):
+    """The GRU recurrence (``reset_after=True``, Keras gate order z, r, h).
+
+    Args:
+      xw: [T, B, 3H] input projections incl. the input bias.
+      h0: [B, H]; m: [T, B, 1] float mask or None.
+      u: [H, 3H] recurrent kernel; b_rec: [3H] recurrent bias.
+
+    Returns:
+      ``(hs, saved)``: the carried h [T, B, H] and, per step, [z, r, hh, rec_h] [T, B, 4H]
+      for the backward pass.
+    """
+    n = tf.shape(xw)[0]
+    units = tf.shape(h0)[1]
+
+    def body(t, h, hs, saved):
+        x = xw[t]
+        rec = tf.matmul(h, u) + b_rec
+        zr = tf.sigmoid(x[:, :2 * units] + rec[:, :2 * units])
+        z, r = zr[:, :units], zr[:, units:]
+        rec_h = rec[:, 2 * units:]
+        hh = tf.tanh(x[:, 2 * units:] + r * rec_h)
+        h_new = hh + z * (h - hh)
+        if m is not None:
+            h_new = h + m[t] * (h_new - h)
+        return t + 1, h_new, hs.write(t, h_new), saved.write(t, tf.concat([zr, hh, rec_h], 1))
+
+    _, _, hs, saved = tf.while_loop(
+        lambda t, *_: t < n, body, (0, h0, _array(n, xw.dtype), _array(n, xw.dtype)))
+    return hs.stack(), saved.stack()
+
+
+def _gru_backward(dhs, hs, h0, saved, m, u):
+    """Back-propagation through the GRU recurrence.
+
+    Returns:
+      ``(dxw, drec, dh0)``: gradients of the input projections [T, B, 3H], of the
+      recurrent pre-activations ``h @ U + b_rec`` [T, B, 3H], and of ``h0``.
+    """
+    n = tf.shape(dhs)[0]
+    units = tf.shape(h0)[1]
+    ut = tf.transpose(u)
+    hs_prev = tf.concat([h0[None], hs[:-1]], axis=0)
+
+    def body(t, dh, dx_arr, drec_arr):
+        dh = dh + dhs[t]
+        h_prev = hs_prev[t]
+        s = saved[t]
+        z, r = s[:, :units], s[:, units:2 * units]
+        hh, rec_h = s[:, 2 * units:3 * units], s[:, 3 * units:]
+        dh_cell = dh * m[t] if m is not None else dh
+        dah = dh_cell * (1.0 - z) * (1.0 - hh * hh)
+        daz = dh_cell * (h_prev - hh) * z * (1.0 - z)
+        dar = dah * rec_h * r * (1.0 - r)
+        dx = tf.concat([daz, dar, dah], axis=1)
+        drec = tf.concat([daz, dar, dah * r], axis=1)
+        dh_prev = tf.matmul(drec, ut) + dh_cell * z
+        if m is not None:
+            dh_prev += (1.0 - m[t]) * dh
+        return t - 1, dh_prev, dx_arr.write(t, dx), drec_arr.write(t, drec)
+
+    _, dh0, dx, drec = tf.while_loop(
+        lambda t, *_: t >= 0, body,
+        (n - 1, tf.zeros_like(h0), _array(n, dhs.dtype), _array(n, dhs.dtype)),
+    )
+    return dx.stack(), drec.stack(), dh0
+
+
+def gru_sequence(x, h0, mask, kernel, recurrent_kernel, bias, *, matmul_dtype=None):
+    """Runs a GRU (``reset_after=True``) over a batch of sequences.
+
+    Args:
+      x: [B, T, D]; h0: [B, H]; mask: [B, T] bool or None.
+      kernel: [D, 3H]; recurrent_kernel: [H, 3H]; bias: [2, 3H] (input, recurrent).
+      matmul_dtype: None, or tf.bfloat16 for the large matmuls.
+
+    Returns:
+      ``(outputs [B, T, H], h [B, H])``.
+    """
+    m = _time_major_mask(mask, x.dtype)
+    xw = _project(x, kernel, bias[0], matmul_dtype)
+    forward, backward = _jit(_gru_forward), _jit(_gru_backward)
+
+    @tf.custom_gradient
+    def recurrence(xw, h0, u, b_rec):
+        hs, saved = forward(xw, h0, m, u, b_rec)
+
+        def grad(dhs):
+            dx, drec, dh0 = backward(dhs, hs, h0, saved, m, u)
+            h_prev = tf.concat([h0[None], hs[:-1]], axis=0)
+            db = tf.reduce_sum(drec, axis=[0, 1])
+            return dx, dh0, _weight_grad(h_prev, drec, matmul_dtype), db
+
+        return hs, grad
+
+    hs = recurrence(xw, h0, recurrent_kernel, bias[1])
+    return _outputs(hs, m), hs[-1]
+
+
+# ----------------------------------------------------------------------------- layers
+def _value(v):
+    return v.value if hasattr(v, "value") else v
+
+
+def _default_math(layer) -> bool:
+    cell = layer.cell
+    return (
+        cell.activation is keras.activations.tanh
+        and cell.recurrent_activation is keras.activations.sigmoid
+        and cell.use_bias and not cell.recurrent_dropout
+        and not layer.go_backwards and not layer.unroll
+    )
+
+
+def _dropped(layer, sequences, training):
+    """Input dropout as Keras' cuDNN path applies it (one mask for every step)."""
+    if not (training and layer.cell.dropout):
+        return sequences
+    mask = layer.cell.get_dropout_mask(sequences[:, 0, :])
+    return sequences * mask[:, None, :]
+
+
+class FastLSTM(keras.layers.LSTM):
+    """``keras.layers.LSTM`` with the recurrence of :func:`lstm_sequence`.
+
+    Args:
+      matmul_dtype: None (float32) or "bfloat16" for the large matmuls.
+      Everything else: as ``keras.layers.LSTM``.
+    """
+
+    def __init__(self, units, *, matmul_dtype: str | None = None, **kwargs):
+        super().__init__(units, **kwargs)
+        self.matmul_dtype = matmul_dtype
+
+    def inner_loop(self, sequences, initial_state, mask, training=False):
+        if isinstance(mask, (list, tuple)):
+            mask = mask[0]
+        if not _default_math(self):
+            return super().inner_loop(sequences, initial_state, mask, training=training)
+        cell = self.cell
+        outputs, h, c = lstm_sequence(
+            _dropped(self, sequences, training), initial_state[0], initial_state[1], mask,
+            _value(cell.kernel), _value(cell.recurrent_kernel), _value(cell.bias),
+            matmul_dtype=self.matmul_dtype,
+        )
+        return h, outputs, [h, c]
+
+    def get_config(self):
+        return {**super().get_config(), "matmul_dtype": self.matmul_dtype}
+
+
+class FastGRU(keras.layers.GRU):
+    """``keras.layers.GRU`` with the recurrence of :func:`gru_sequence`.
+
+    Args:
+      matmul_dtype: None (float32) or "bfloat16" for the large matmuls.
+      Everything else: as ``keras.layers.GRU``.
+    """
+
+    def __init__(self, units, *, matmul_dtype: str | None = None, **kwargs):
+        super().__init__(units, **kwargs)
+        self.matmul_dtype = matmul_dtype
+
+    def inner_loop(self, sequences, initial_state, mask, training=False):
+        if isinstance(mask, (list, tuple)):
+            mask = mask[0]
+        if not (_default_math(self) and self.cell.reset_after):
+            return super().inner_loop(sequences, initial_state, mask, training=training)
+        h0 = initial_state[0] if isinstance(initial_state, (list, tuple)) else initial_state
+        cell = self.cell
+        outputs, h = gru_sequence(
+            _dropped(self, sequences, training), h0, mask,
+            _value(cell.kernel), _value(cell.recurrent_kernel), _value(cell.bias),
+            matmul_dtype=self.matmul_dtype,
+        )
+        return h, outputs, [h]
+
+    def get_config(self):
+        return {**super().get_config(), "matmul_dtype": self.matmul_dtype}
