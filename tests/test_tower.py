@@ -163,9 +163,10 @@ def test_eval_state_with_empty_towers_keeps_the_global_rows():
 # ----------------------------------------------------------------- placement
 SPEC = {"inputs": tf.TensorSpec([None, None], tf.int32),
         "targets": tf.TensorSpec([None, None], tf.int32)}
-# Ops without a requested device: reads of the variables (TF puts them with the variable)
-# and constants the tracer folded.
-UNPLACED = {"ReadVariableOp", "Placeholder", "Const"}
+# Ops the tracer leaves without a device: reads of the weights (TF puts them with the
+# variable they read), function arguments and folded constants.
+UNPLACED = {"ReadVariableOp", "Placeholder", "Const", "_Arg", "_Retval", "NoOp"}
+ASSIGNS = {"AssignSubVariableOp", "AssignAddVariableOp", "AssignVariableOp"}
 
 
 def tower_of(op_name):
@@ -176,6 +177,27 @@ def tower_of(op_name):
     return None
 
 
+def placed_ops(graph_def):
+    """``(node, device, tower)`` for every op of the step, including the ops inside the
+    functions it calls (RNN loops, compiled recurrences, conds); an op with no device of
+    its own runs on its caller's device and belongs to its caller's tower."""
+    functions = {f.signature.name: f for f in graph_def.library.function}
+
+    def walk(nodes, device, tower):
+        for node in nodes:
+            node_tower = tower if tower is not None else tower_of(node.name)
+            node_device = node.device or device
+            yield node, node_device, node_tower
+            for value in node.attr.values():
+                called = [value.func.name] if value.HasField("func") else []
+                called += [f.name for f in value.list.func]
+                for name in called:
+                    if name in functions:
+                        yield from walk(functions[name].node_def, node_device, node_tower)
+
+    return list(walk(graph_def.node, "", None))
+
+
 @pytest.mark.parametrize("reduce", ["controller", "ring"])
 def test_traced_step_places_towers_and_updates(reduce):
     plugin = build_strategy(DistConfig(strategy="tower", devices=tuple(CPU[:3]),
@@ -184,43 +206,30 @@ def test_traced_step_places_towers_and_updates(reduce):
     _, model, step = fresh(plugin)
     for v in model.trainable_variables:
         assert v.value.device.endswith("CPU:3")
-    graph = step.function.get_concrete_function(SPEC).graph
-    ops = graph.get_operations()
+    ops = placed_ops(step.function.get_concrete_function(SPEC).graph.as_graph_def())
 
-    per_tower = {i: [] for i in range(3)}
-    for op in ops:
-        i = tower_of(op.name)
-        if i is not None and not (op.type in UNPLACED and not op.device):
-            per_tower[i].append(op)
-    for i, tower_ops in per_tower.items():
-        forward = [op for op in tower_ops if not op.name.startswith("gradient_tape/")]
-        backward = [op for op in tower_ops if op.name.startswith("gradient_tape/")]
-        assert len(forward) > 50 and len(backward) > 50
-        assert {op.device for op in tower_ops} == {CPU[i]}
-        loops = [op for op in tower_ops if op.type in ("While", "StatelessWhile")]
-        assert len(loops) == 2  # The LSTM's forward loop and its gradient loop.
-        for loop in loops:  # The ops inside the loops sit on the tower's device too.
-            body = graph._get_function(loop.get_attr("body").name).graph
-            assert {o.device for o in body.get_operations()
-                    if not (o.type in UNPLACED and not o.device)} == {CPU[i]}
+    for i in range(3):
+        tower = [(node, device) for node, device, t in ops
+                 if t == i and not (node.op in UNPLACED and not node.device)]
+        backward = [node for node, _ in tower if node.name.startswith("gradient_tape/")]
+        assert len(tower) > 100 and len(backward) > 20
+        assert {device for _, device in tower} == {CPU[i]}  # Forward and gradients.
+        assert {"MatMul", "SparseSoftmaxCrossEntropyWithLogits"} <= {n.op for n, _ in tower}
 
-    updates = [op for op in ops if op.type in ("AssignSubVariableOp", "AssignAddVariableOp",
-                                               "AssignVariableOp")]
+    updates = [device for node, device, _ in ops if node.op in ASSIGNS]
     assert len(updates) >= len(model.trainable_variables)
-    assert {op.device for op in updates} == {CPU[3]}
+    assert set(updates) == {CPU[3]}
 
     if reduce == "controller":
-        sums = [op for op in ops if op.name.startswith("controller_reduce/")]
-        assert sums and {op.device for op in sums} == {CPU[3]}
+        sums = [d for n, d, _ in ops if n.name.startswith("controller_reduce/")]
+        assert sums and set(sums) == {CPU[3]}
     else:
-        # Reduce-scatter: 2 steps × 3 adds, each on the receiving tower (one per tower).
-        adds = [op for op in ops if op.name.startswith("ring_reduce_scatter")
-                and op.type == "AddV2"]
-        gathers = [op for op in ops if op.name.startswith("ring_all_gather")
-                   and op.type == "Identity"]
-        assert len(adds) == len(gathers) == 6
-        assert sorted(op.device for op in adds) == sorted(CPU[:3] * 2)
-        assert sorted(op.device for op in gathers) == sorted(CPU[:3] * 2)
+        # 2 reduce-scatter and 2 all-gather steps of 3 transfers, each op on the receiver.
+        adds = [d for n, d, _ in ops if n.name.startswith("ring_reduce_scatter")
+                and n.op == "AddV2"]
+        gathers = [d for n, d, _ in ops if n.name.startswith("ring_all_gather")
+                   and n.op == "Identity"]
+        assert sorted(adds) == sorted(gathers) == sorted(CPU[:3] * 2)
 
 
 PLACEMENT_SCRIPT = """

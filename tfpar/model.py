@@ -13,6 +13,7 @@ import keras
 import tensorflow as tf
 
 from tfpar.config import ModelConfig
+from tfpar.layers import FastGRU, FastLSTM
 
 EMBEDDING, SOFTMAX = "embedding", "softmax"
 
@@ -33,7 +34,9 @@ class RNNLanguageModel(keras.Model):
             vocab_size, config.embed_dim, mask_zero=True, name=EMBEDDING,
             embeddings_initializer=init or "uniform",
         )
-        rnn_cls = keras.layers.LSTM if config.cell == "lstm" else keras.layers.GRU
+        # Keras' LSTM/GRU with a faster recurrence on CPUs (same weights and math; see
+        # tfpar.layers).
+        rnn_cls = FastLSTM if config.cell == "lstm" else FastGRU
         # Each layer is its own attribute, not a list element: Keras 3 keeps lists in
         # its own tracked collections, which tf.train.Checkpoint does not see, so layers
         # held only in a list would silently be left out of every checkpoint.

@@ -179,9 +179,14 @@ def build_setup(spec: VerifySpec) -> Setup:
 def first_gradient_norm(model, data: InputData, batch_size: int) -> float:
     """The global gradient norm of the first training batch at the initial weights."""
     batch = next(iter(data.batches("train", training=True, epoch=0, batch_size=batch_size)))
-    grads, *_ = steps.loss_and_grads(model, batch, token_count(batch["targets"]), None,
-                                     training=False)
-    return float(tf.linalg.global_norm(grads))
+
+    @tf.function  # Traced, like every train step (and the model's layers expect it).
+    def norm(batch):
+        grads, *_ = steps.loss_and_grads(model, batch, token_count(batch["targets"]), None,
+                                         training=False)
+        return tf.linalg.global_norm(grads)
+
+    return float(norm(batch))
 
 
 # ------------------------------------------------------------------------- runners

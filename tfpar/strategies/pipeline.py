@@ -206,9 +206,11 @@ def placement_from_config(dist: DistConfig) -> Placement:
             raise ConfigError(f"--devices {','.join(dist.devices)} and --stages both place "
                               f"the pipeline; give only --stages")
         spec = parse_stages(dist.stages)
-        named = list(dict.fromkeys(spec.values()))
-        resolved = dict(zip(named, devices_lib.resolve_devices(tuple(named))))
-        return Placement({part: resolved[d] for part, d in spec.items()})
+        # One check per device, however it is spelled ("/cpu:1", "CPU:1").
+        named = {devices_lib.canonical(d).lower(): d for d in spec.values()}
+        resolved = dict(zip(named, devices_lib.resolve_devices(tuple(named.values()))))
+        return Placement({part: resolved[devices_lib.canonical(d).lower()]
+                          for part, d in spec.items()})
     if dist.devices:
         compute = devices_lib.resolve_devices(dist.devices)
     elif devices_lib.num_gpus():
