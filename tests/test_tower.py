@@ -18,8 +18,8 @@ from tfpar.errors import DeviceError
 from tfpar.input_pipeline import InputData
 from tfpar.model import build_model
 from tfpar.strategies import build_strategy
-from tfpar.strategies.tower import (TowerPlugin, default_variable_device, ring_all_reduce)
-from tfpar.train import EpochSchedule, base_learning_rate, evaluate
+from tfpar.strategies.tower import TowerPlugin, default_variable_device, ring_all_reduce
+from tfpar.train import EpochSchedule, base_learning_rate
 from tfpar.verify import Setup, VerifySpec, run_plugin
 from tfpar.vocab import PAD_ID, Vocab
 

@@ -87,6 +87,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="share the embedding with the softmax (embed-dim == hidden-dim)")
     g.add_argument("--init-scale", type=float, default=0.0,
                    help="uniform init in [-s, s] for every weight (0: Keras defaults)")
+    g.add_argument("--precision", default="fp32",
+                   help="fp32 | bf16 (large matmuls in bfloat16, for CPUs with AMX/AVX512-BF16)")
 
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
@@ -176,6 +178,7 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
         model=cfg.ModelConfig(
             cell=a.cell, layers=a.layers, embed_dim=a.embed_dim, hidden_dim=a.hidden_dim,
             dropout=a.dropout, tie_embeddings=a.tie_embeddings, init_scale=a.init_scale,
+            precision=a.precision,
         ),
         train=cfg.TrainConfig(
             optimizer=a.optimizer, lr=a.lr, lr_decay=a.lr_decay, decay_after=a.decay_after,

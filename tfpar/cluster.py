@@ -158,10 +158,11 @@ def check_jobs(config: ClusterConfig, strategy: str) -> None:
     have = ", ".join(config.cluster)
     for job in jobs["required"]:
         if job not in config.cluster:
-            role = {"chief": "the coordinator", "worker": "they compute the steps",
-                    "ps": "they hold the variables"}[job]
-            raise ClusterError(f"--strategy {strategy} needs {'a' if job == 'chief' else 'one or more'} "
-                               f"{job!r} task(s) ({role}), but TF_CONFIG's cluster has only: {have}")
+            what = {"chief": "a 'chief' task (the coordinator)",
+                    "worker": "one or more 'worker' tasks (they compute the steps)",
+                    "ps": "one or more 'ps' tasks (they hold the variables)"}[job]
+            raise ClusterError(f"--strategy {strategy} needs {what}, but TF_CONFIG's cluster has "
+                               f"only: {have}")
     for job in config.cluster:
         if job not in jobs["allowed"]:
             raise ClusterError(f"--strategy {strategy} has no {job!r} tasks, but TF_CONFIG's cluster "

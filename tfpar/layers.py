@@ -36,7 +36,7 @@ import keras
 import tensorflow as tf
 
 # Compile the recurrences with XLA; the tests switch it off to compare both paths.
-JIT = True
+JIT = False
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -322,7 +322,9 @@ def gru_sequence(x, h0, mask, kernel, recurrent_kernel, bias, *, matmul_dtype=No
 
 # ----------------------------------------------------------------------------- layers
 def _value(v):
-    return v.value if hasattr(v, "value") else v
+    """A weight as a plain tensor: custom gradients must not see (distributed) variables;
+    the read itself is what the tape differentiates."""
+    return tf.convert_to_tensor(v.value if hasattr(v, "value") else v)
 
 
 def _default_math(layer) -> bool:

@@ -37,21 +37,23 @@ class RNNLanguageModel(keras.Model):
         # Keras' LSTM/GRU with a faster recurrence on CPUs (same weights and math; see
         # tfpar.layers).
         rnn_cls = FastLSTM if config.cell == "lstm" else FastGRU
+        matmul_dtype = "bfloat16" if config.precision == "bf16" else None
         # Each layer is its own attribute, not a list element: Keras 3 keeps lists in
         # its own tracked collections, which tf.train.Checkpoint does not see, so layers
         # held only in a list would silently be left out of every checkpoint.
         for i in range(config.layers):
             setattr(self, rnn_name(i), rnn_cls(
                 config.hidden_dim, return_sequences=True, return_state=True, name=rnn_name(i),
+                matmul_dtype=matmul_dtype,
                 **({"kernel_initializer": init, "recurrent_initializer": init} if init else {}),
             ))
         for i in range(config.layers + 1):
             setattr(self, f"dropout_{i}",
                     keras.layers.Dropout(config.dropout, seed=seed + i, name=f"dropout_{i}"))
         if config.tie_embeddings:
-            self.softmax = TiedSoftmax(self.embedding, name=SOFTMAX)
+            self.softmax = TiedSoftmax(self.embedding, matmul_dtype=matmul_dtype, name=SOFTMAX)
         else:
-            self.softmax = keras.layers.Dense(
+            self.softmax = (LowPrecisionDense if matmul_dtype else keras.layers.Dense)(
                 vocab_size, name=SOFTMAX, **({"kernel_initializer": init} if init else {})
             )
 
@@ -114,9 +116,10 @@ class RNNLanguageModel(keras.Model):
 class TiedSoftmax(keras.layers.Layer):
     """Logits ``h @ E^T + b`` that reuse the embedding matrix ``E`` (Press & Wolf, 2017)."""
 
-    def __init__(self, embedding: keras.layers.Embedding, **kwargs):
+    def __init__(self, embedding: keras.layers.Embedding, *, matmul_dtype=None, **kwargs):
         super().__init__(**kwargs)
         self._embedding = embedding
+        self.matmul_dtype = matmul_dtype
         self.supports_masking = True
 
     def build(self, input_shape):
@@ -125,7 +128,29 @@ class TiedSoftmax(keras.layers.Layer):
         )
 
     def call(self, x):
-        return tf.matmul(x, self._embedding.embeddings, transpose_b=True) + self.bias
+        return _matmul(x, self._embedding.embeddings, self.matmul_dtype, transpose_b=True) \
+            + self.bias
+
+
+class LowPrecisionDense(keras.layers.Dense):
+    """``keras.layers.Dense`` (same weights) whose matmul runs in bfloat16: inputs and
+    kernel are cast for the product only, the result, bias and gradients' consumers stay
+    float32 (``--precision bf16``)."""
+
+    def call(self, inputs):
+        return _matmul(inputs, self.kernel, "bfloat16") + self.bias
+
+
+def _matmul(x, w, dtype=None, *, transpose_b=False):
+    """[..., K] @ [K, N] (or [N, K] with ``transpose_b``), optionally computed in ``dtype``."""
+    w = tf.convert_to_tensor(w)
+    out_dtype = x.dtype
+    if dtype:
+        x, w = tf.cast(x, dtype), tf.cast(w, dtype)
+    flat = tf.reshape(x, [-1, tf.shape(x)[-1]])
+    y = tf.matmul(flat, w, transpose_b=transpose_b)
+    shape = tf.concat([tf.shape(x)[:-1], tf.shape(y)[-1:]], axis=0)
+    return tf.cast(tf.reshape(y, shape), out_dtype)
 
 
 def _initializer(scale: float, seed: int):

@@ -34,7 +34,7 @@ from tfpar.errors import ConfigError
 from tfpar.input_pipeline import InputData
 from tfpar.losses import perplexity, token_count
 from tfpar.model import build_model
-from tfpar.strategies import build_strategy, multi_worker
+from tfpar.strategies import build_strategy, multi_worker, pipeline
 from tfpar.train import evaluate
 from tfpar.vocab import Vocab
 
@@ -245,6 +245,7 @@ RUNNERS: dict[str, Runner] = {
     "tower": Runner(_run_tower("controller")),
     "tower_ring": Runner(_run_tower("ring")),
     "multi_worker": Runner(multi_worker.verify_runner),  # one worker process per replica
+    "pipeline": Runner(pipeline.verify_runner),  # N stages on N devices, 3 micro-batches
 }
 REFERENCE = "default"
 

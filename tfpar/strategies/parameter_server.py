@@ -25,9 +25,12 @@ Evaluation runs on the coordinator, exactly (every valid/test batch once): after
 point it copies the parameters into a local model and evaluates that copy, so training
 workers are never slowed or raced by evaluation.
 
-Sharding. With more than one ps task, variables are spread over them: large ones are
-partitioned (``MinSizePartitioner``: shards of at least 256 KiB, at most one per ps task),
-small ones placed whole, round-robin.
+Sharding. With more than one ps task, variables are spread over them: large tables
+(the embedding: at least as many rows as columns) are partitioned by rows
+(``MinSizePartitioner``: shards of at least 256 KiB, at most one per ps task); weight
+matrices and small variables are placed whole, round-robin. A matrix is read whole by
+every step anyway, and the fast RNN layers hand their recurrent kernel to a custom
+gradient, which cannot take a partitioned variable.
 
 Why the update is not ``optimizer.apply_gradients``. Keras 3 does not support
 parameter-server training (keras-team/keras#18624), and its ``apply_gradients`` fails
@@ -78,6 +81,20 @@ class CheckpointedShards(ShardedVariable):
 
     def _restore_from_tensors(self, restored_tensors):
         return self.assign(restored_tensors["VARIABLE_VALUE"])
+
+
+class TablePartitioner(tf.distribute.experimental.partitioners.Partitioner):
+    """``MinSizePartitioner`` for tables (rank 1, or rows >= columns); matrices stay whole."""
+
+    def __init__(self, max_shards: int, min_shard_bytes: int = MIN_SHARD_BYTES):
+        self._tables = tf.distribute.experimental.partitioners.MinSizePartitioner(
+            min_shard_bytes=min_shard_bytes, max_shards=max_shards)
+
+    def __call__(self, shape, dtype, axis=0):
+        shape = tf.TensorShape(shape)
+        if shape.rank == 2 and shape[0] < shape[1]:
+            return [1, 1]
+        return self._tables(shape, dtype, axis)
 
 
 def _ps_variable_creator(next_creator, **kwargs):
@@ -199,7 +216,8 @@ class ParameterServerPlugin(StrategyPlugin):
         strategy = self.strategy
         sharded = [v.path for v in model.trainable_variables if len(shard_parts(v)) > 1]
         log.info("variables on %d ps task(s); partitioned: %s", self.cluster.count("ps"),
-                 ", ".join(sharded) or "none (each is below %d KiB per shard)" % (MIN_SHARD_BYTES >> 10))
+                 ", ".join(sharded) or "none (tables are partitioned into shards of >= %d KiB)"
+                 % (MIN_SHARD_BYTES >> 10))
 
         def replica_step(batch):
             count = tf.reduce_sum(tf.cast(batch["targets"] != 0, tf.float32))
@@ -334,8 +352,7 @@ def build_parameter_server(dist: DistConfig) -> StrategyPlugin:
         tf.config.set_soft_device_placement(True)
     partitioner = None
     if config.count("ps") > 1:
-        partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
-            min_shard_bytes=MIN_SHARD_BYTES, max_shards=config.count("ps"))
+        partitioner = TablePartitioner(max_shards=config.count("ps"))
     strategy = tf.distribute.ParameterServerStrategy(
         tf.distribute.cluster_resolver.TFConfigClusterResolver(),
         variable_partitioner=partitioner)

@@ -221,6 +221,28 @@ def placement_from_config(dist: DistConfig) -> Placement:
     return Placement(compute=compute, host=host)
 
 
+def even_stages(layers: int, devices: list[str]) -> str:
+    """A ``--stages`` value that cuts the parts of a ``layers``-layer model into
+    ``len(devices)`` runs of consecutive parts, as even as they go (earlier runs get the
+    extra part): ``even_stages(2, ["/cpu:0", "/cpu:1"])`` →
+    ``"embedding=/cpu:0,rnn_0=/cpu:0,rnn_1=/cpu:1,softmax=/cpu:1"``.
+
+    Raises:
+      ConfigError: more devices than the model has parts.
+    """
+    parts = model_parts(layers)
+    if not 0 < len(devices) <= len(parts):
+        raise ConfigError(f"cannot cut the {len(parts)} parts of a {layers}-layer model "
+                          f"into {len(devices)} stages; use 1 to {len(parts)} devices")
+    base, extra = divmod(len(parts), len(devices))
+    items, start = [], 0
+    for k, device in enumerate(devices):
+        size = base + (k < extra)
+        items += [f"{p}={device}" for p in parts[start:start + size]]
+        start += size
+    return ",".join(items)
+
+
 def stage_device_names(stages_text: str) -> tuple[str, ...]:
     """The CPU devices ``--stages`` mentions, as ``/cpu:N`` (anything else is skipped and
     reported later by :func:`placement_from_config`), to size the logical CPU split before
@@ -583,3 +605,17 @@ def build_pipeline(dist: DistConfig) -> PipelinePlugin:
     plugin = PipelinePlugin(placement_from_config(dist), dist.micro_batches)
     log.info("%s", plugin.describe())
     return plugin
+
+
+# Micro-batches in verify_parallel.py: 3 does not divide its default batch of 10 rows.
+VERIFY_MICRO_BATCHES = 3
+
+
+def verify_runner(setup, replicas: int):
+    """``verify_parallel.py``'s runner: ``pipeline:N`` cuts the model into N stages on N
+    devices (:func:`even_stages`), with :data:`VERIFY_MICRO_BATCHES` micro-batches."""
+    from tfpar.verify import replica_devices, run_plugin
+
+    stages = even_stages(setup.model_config.layers, list(replica_devices(replicas)))
+    return run_plugin(setup, DistConfig(strategy="pipeline", stages=stages,
+                                        micro_batches=VERIFY_MICRO_BATCHES))

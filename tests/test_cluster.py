@@ -1,0 +1,227 @@
+"""tfpar.cluster: TF_CONFIG parsing and checks, ports, job plans, and the local launcher's
+process handling (with tiny Python child processes, so these run in seconds)."""
+
+import io
+import json
+import os
+import socket
+import sys
+
+import pytest
+
+from tfpar import cluster
+from tfpar.errors import ClusterError
+
+MW = {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}
+PS = {"chief": ["127.0.0.1:2220"], "worker": ["127.0.0.1:2221", "127.0.0.1:2222"],
+      "ps": ["127.0.0.1:2223"]}
+
+
+def tf_config(cluster_dict, task_type="worker", index=0):
+    return json.dumps({"cluster": cluster_dict, "task": {"type": task_type, "index": index}})
+
+
+@pytest.fixture
+def listening_port():
+    """A loopback port something is listening on, for the duration of the test."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- TF_CONFIG
+def test_parse_reads_the_cluster_and_the_task():
+    config = cluster.parse_tf_config(tf_config(MW, "worker", 1))
+    assert config.cluster == {"worker": ("127.0.0.1:2222", "127.0.0.1:2223")}
+    assert (config.task_type, config.task_index) == ("worker", 1)
+    assert config.address == "127.0.0.1:2223"
+    assert json.loads(config.to_json()) == json.loads(tf_config(MW, "worker", 1))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", r"TF_CONFIG is not valid JSON \(.* at character 1\)"),
+    ("[1, 2]", "TF_CONFIG must be a JSON object with cluster and task, got list"),
+    (json.dumps({"task": {"type": "worker", "index": 0}}), 'TF_CONFIG has no "cluster"'),
+    (json.dumps({"cluster": MW}), 'TF_CONFIG has no "task" with a type and an index'),
+    (json.dumps({"cluster": MW, "task": {"type": "worker"}}), 'no "task" with a type and an index'),
+    (tf_config(MW, "chief", 0), r"task type 'chief' is not a job of the cluster \(worker\)"),
+    (tf_config(MW, "worker", 2), r"task index 2 is out of range: job 'worker' has 2 task\(s\), so 0..1"),
+    (tf_config(MW, "worker", -1), "task index -1 is out of range"),
+    (tf_config(MW, "worker", "0"), "task index '0' is out of range"),
+    (tf_config({"worker": []}), "job 'worker' must be a non-empty list of host:port addresses"),
+    (tf_config({"worker": ["127.0.0.1"]}), "address '127.0.0.1' is not host:port"),
+    (tf_config({"worker": ["h:99999"]}), "address 'h:99999' is not host:port with a port in 1..65535"),
+])
+def test_malformed_tf_config_is_one_line_error(text, message):
+    with pytest.raises(ClusterError, match=message):
+        cluster.parse_tf_config(text)
+
+
+def test_a_cluster_strategy_without_tf_config_is_refused():
+    with pytest.raises(ClusterError, match="--strategy multi_worker needs a cluster, but TF_CONFIG "
+                                           "is not set; start one on this machine with "
+                                           "scripts/launch_local.py --workers 2"):
+        cluster.require_cluster("multi_worker", environ={})
+
+
+@pytest.mark.parametrize("strategy, jobs, message", [
+    ("parameter_server", {"worker": MW["worker"], "ps": ["127.0.0.1:2224"]},
+     r"--strategy parameter_server needs a 'chief' task \(the coordinator\), but TF_CONFIG's "
+     "cluster has only: worker, ps"),
+    ("parameter_server", {"chief": ["127.0.0.1:1"], "worker": MW["worker"]},
+     r"needs one or more 'ps' tasks \(they hold the variables\)"),
+    ("multi_worker", {"worker": MW["worker"], "ps": ["127.0.0.1:2224"]},
+     "--strategy multi_worker has no 'ps' tasks, but TF_CONFIG's cluster lists some"),
+    ("multi_worker", {"chief": ["127.0.0.1:1", "127.0.0.1:2"], "worker": MW["worker"]},
+     "TF_CONFIG lists 2 chief tasks; a cluster has at most one chief"),
+])
+def test_jobs_a_strategy_needs(strategy, jobs, message):
+    env = {"TF_CONFIG": tf_config(jobs, "worker", 0)}
+    with pytest.raises(ClusterError, match=message):
+        cluster.require_cluster(strategy, environ=env)
+
+
+def test_the_chief_is_worker_0_unless_there_is_a_chief_task():
+    assert cluster.parse_tf_config(tf_config(MW, "worker", 0)).is_chief
+    assert not cluster.parse_tf_config(tf_config(MW, "worker", 1)).is_chief
+    assert cluster.parse_tf_config(tf_config(PS, "chief", 0)).is_chief
+    assert not cluster.parse_tf_config(tf_config(PS, "worker", 0)).is_chief
+
+
+# ----------------------------------------------------------------------------- ports
+def test_a_port_in_use_is_reported(listening_port):
+    with pytest.raises(ClusterError, match=f"port {listening_port} of worker 1 127.0.0.1:"
+                                           f"{listening_port} is already in use"):
+        cluster.check_port_free(f"127.0.0.1:{listening_port}", what="worker 1")
+
+
+def test_free_ports_are_distinct_and_bindable():
+    ports = cluster.free_ports(5)
+    assert len(set(ports)) == 5
+    for port in ports:
+        cluster.check_port_free(f"127.0.0.1:{port}")
+
+
+# ----------------------------------------------------------------------------- plans
+def test_multi_worker_plan_has_workers_only():
+    plan = cluster.plan_job("multi_worker", workers=3, ports=cluster.free_ports(3))
+    assert [t.name for t in plan.tasks] == ["worker 0", "worker 1", "worker 2"]
+    assert all(t.finishes for t in plan.tasks)
+    assert list(plan.cluster) == ["worker"]
+    config = cluster.parse_tf_config(plan.tf_config(plan.tasks[2]))
+    assert (config.task_type, config.task_index) == ("worker", 2)
+    assert all(a.startswith("127.0.0.1:") for a in plan.cluster["worker"])
+
+
+def test_parameter_server_plan_has_a_chief_workers_and_ps():
+    plan = cluster.plan_job("parameter_server", workers=2, ps=2)
+    assert [t.name for t in plan.tasks] == ["chief 0", "worker 0", "worker 1", "ps 0", "ps 1"]
+    # Only the coordinator finishes; workers and ps tasks serve until stopped.
+    assert [t.finishes for t in plan.tasks] == [True, False, False, False, False]
+    assert {job: len(a) for job, a in plan.cluster.items()} == {"chief": 1, "worker": 2, "ps": 2}
+    cluster.check_jobs(cluster.parse_tf_config(plan.tf_config(plan.tasks[3])), "parameter_server")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(strategy="mirrored", workers=2), "--strategy mirrored runs in one process: use "
+                                           "scripts/train.py"),
+    (dict(strategy="multi_worker", workers=0), "--workers must be >= 1, got 0"),
+    (dict(strategy="multi_worker", workers=2, ps=1), "--ps 1: multi_worker has no parameter servers"),
+    (dict(strategy="parameter_server", workers=2, ps=0), "needs --ps >= 1"),
+    (dict(strategy="multi_worker", workers=2, ports=[1234]),
+     r"--ports lists 1 port\(s\) but the job has 2 tasks \(worker 0, worker 1\)"),
+    (dict(strategy="multi_worker", workers=2, ports=[1234, 1234]), "--ports lists a port twice"),
+])
+def test_bad_plans_are_refused(kwargs, message):
+    strategy = kwargs.pop("strategy")
+    with pytest.raises(ClusterError, match=message):
+        cluster.plan_job(strategy, **kwargs)
+
+
+def test_a_given_port_that_is_taken_is_refused(listening_port):
+    with pytest.raises(ClusterError, match=f"port {listening_port} of worker 1 .* already in use"):
+        cluster.plan_job("multi_worker", workers=2, ports=[cluster.free_ports(1)[0], listening_port])
+
+
+def test_train_args_get_one_shared_model_dir():
+    strategy, args = cluster.train_args_for_cluster(["--strategy", "multi_worker", "--lr", "1"])
+    assert strategy == "multi_worker"
+    assert cluster.flag_value(args, "--model-dir").startswith(os.path.join("runs", "multi_worker-"))
+    _, args = cluster.train_args_for_cluster(["--strategy=parameter_server", "--model-dir=m"])
+    assert cluster.flag_value(args, "--model-dir") == "m" and "--model-dir" not in args
+    with pytest.raises(ClusterError, match="give train.py's --strategy after --"):
+        cluster.train_args_for_cluster(["--lr", "1"])
+
+
+# ----------------------------------------------------------------------------- processes
+def python_tasks(scripts: dict):
+    """A command factory: task name -> Python code run by that task."""
+    return lambda task: [sys.executable, "-c", scripts[task.name]]
+
+
+def test_job_streams_prefixed_output_and_succeeds():
+    out = io.StringIO()
+    plan = cluster.plan_job("multi_worker", workers=2)
+    code = ("import json, os; c = json.loads(os.environ['TF_CONFIG']); "
+            "print('hello from', c['task']['index'])")
+    status = cluster.run_job(lambda: plan, python_tasks({"worker 0": code, "worker 1": code}),
+                             out=out)
+    assert status == 0
+    lines = out.getvalue().splitlines()
+    assert "[worker 0] hello from 0" in lines and "[worker 1] hello from 1" in lines
+
+
+def test_a_failed_task_stops_the_others(tmp_path):
+    out = io.StringIO()
+    pid_file = tmp_path / "pid"
+    sleeper = (f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+               "time.sleep(600)")
+    failing = (f"import os, time\nwhile not os.path.exists({str(pid_file)!r}): time.sleep(0.01)\n"
+               "raise SystemExit(3)")
+    plan = cluster.plan_job("multi_worker", workers=2)
+    status = cluster.run_job(lambda: plan, python_tasks({"worker 0": sleeper, "worker 1": failing}),
+                             out=out)
+    assert status == 3
+    assert "[launch] worker 1 exited with status 3; stopping the job" in out.getvalue()
+    with pytest.raises(ProcessLookupError):  # stopped and reaped by the launcher
+        os.kill(int(pid_file.read_text()), 0)
+
+
+def test_restarts_run_the_whole_job_again(tmp_path):
+    marker = tmp_path / "failed-once"
+    flaky = (f"import os\nif not os.path.exists({str(marker)!r}):\n"
+             f"    open({str(marker)!r}, 'w').close(); raise SystemExit(1)")
+    scripts = {"worker 0": "print('ok')", "worker 1": flaky}
+    out = io.StringIO()
+    assert cluster.run_job(lambda: cluster.plan_job("multi_worker", workers=2),
+                           python_tasks(scripts), restarts=1, out=out) == 0
+    assert "[launch] restarting the whole job (restart 1 of 1)" in out.getvalue()
+    marker.unlink()
+    assert cluster.run_job(lambda: cluster.plan_job("multi_worker", workers=2),
+                           python_tasks(scripts), restarts=0, out=io.StringIO()) == 1
+
+
+def test_a_usage_error_is_not_restarted():
+    out = io.StringIO()
+    scripts = {"worker 0": "raise SystemExit(2)", "worker 1": "raise SystemExit(2)"}
+    assert cluster.run_job(lambda: cluster.plan_job("multi_worker", workers=2),
+                           python_tasks(scripts), restarts=3, out=out) == 2
+    assert "restarting" not in out.getvalue()
+
+
+def test_a_server_that_exits_early_fails_the_job():
+    out = io.StringIO()
+    scripts = {"chief 0": "import time; time.sleep(600)", "worker 0": "pass", "ps 0": "import time; time.sleep(600)"}
+    plan = cluster.plan_job("parameter_server", workers=1, ps=1)
+    assert cluster.run_job(lambda: plan, python_tasks(scripts), out=out) == 1
+    assert "[launch] worker 0 exited before the job finished; stopping the job" in out.getvalue()
+
+
+def test_servers_are_stopped_when_the_chief_finishes():
+    out = io.StringIO()
+    forever = "import time; time.sleep(600)"
+    scripts = {"chief 0": "print('done')", "worker 0": forever, "ps 0": forever}
+    plan = cluster.plan_job("parameter_server", workers=1, ps=1)
+    assert cluster.run_job(lambda: plan, python_tasks(scripts), out=out) == 0
+    assert "[chief 0] done" in out.getvalue()

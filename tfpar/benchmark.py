@@ -1,0 +1,578 @@
+"""Throughput benchmark: tfpar against plain Keras, input stalls, padding, distribution cost.
+
+``scripts/benchmark.py`` measures, in one process and on one corpus (PTB when it is
+there, else the generated corpus):
+
+* training tokens/s of tfpar's real training step (plug-in, model, optimizer,
+  ``plugin.make_train_step`` on ``InputData.batches``) against a plain-Keras baseline: the
+  same architecture as a ``keras.Sequential`` trained with ``model.fit`` on fixed windows;
+* the input pipeline's share of the step time: the same step fed from tf.data and from
+  batches already in memory;
+* the share of pad tokens in sentence mode: tfpar's bucketing against a plain
+  ``padded_batch`` of the same shuffled sentences;
+* the cost of distribution: mirrored with one replica against no strategy, and mirrored,
+  tower and pipeline on two logical devices.
+
+The host is shared and its load varies, so every contender is timed in short segments
+and the segments are interleaved round-robin (the order rotates every round); each
+figure is the median over rounds, and ratios compare segments that ran side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from tfpar.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_PTB = os.path.join(os.path.dirname(REPO), "shared", "data", "ptb")
+
+# name -> (comparison, threshold); checked by check_targets.
+TARGETS: dict[str, tuple[str, float]] = {
+    "tfpar_vs_keras_baseline": (">=", 1.4),
+    "input_stall_fraction": ("<=", 0.02),
+    "pad_fraction_bucketed": ("<=", 0.03),
+    "mirrored1_vs_default": (">=", 0.95),
+}
+NOT_AVAILABLE = "not available"
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSpec:
+    """What to measure and for how long."""
+
+    # Corpus folder (PTB's ptb.{train,valid,test}.txt) or "synthetic".
+    data: str = DEFAULT_PTB
+    # The small configuration of TensorFlow's ptb_word_lm.py.
+    layers: int = 2
+    embed_dim: int = 200
+    hidden_dim: int = 200
+    vocab_size: int = 10000
+    batch_size: int = 20  # global: stream columns
+    bptt: int = 35
+    # "fp32" or "bf16" (tfpar contenders only; the Keras baseline stays fp32).
+    precision: str = "fp32"
+    # Interleaved rounds; in each, every contender trains `steps` timed steps.
+    rounds: int = 5
+    steps: int = 40
+    # Untimed steps per contender before the first round (tracing, warm caches).
+    warmup: int = 3
+    # Generated corpus size when `data` is "synthetic" (train sentences).
+    synthetic_sentences: int = 20000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "embed_dim", "hidden_dim", "batch_size", "bptt", "rounds",
+                     "steps", "synthetic_sentences"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got "
+                                  f"{getattr(self, name)}")
+        if self.warmup < 1:
+            raise ConfigError(f"--warmup must be >= 1 (the first step traces), got {self.warmup}")
+        if self.precision not in ("fp32", "bf16"):
+            raise ConfigError(f"unknown precision {self.precision!r}; expected fp32 or bf16")
+
+
+def quick_spec(**overrides) -> BenchSpec:
+    """``--quick``: enough rounds for stable medians, a few minutes on 2 cores."""
+    return BenchSpec(**{"rounds": 3, "steps": 25, **overrides})
+
+
+def tiny_spec(**overrides) -> BenchSpec:
+    """``--tiny``: a generated corpus and a toy model; runs in seconds (for tests)."""
+    return BenchSpec(**{
+        "data": "synthetic", "layers": 1, "embed_dim": 16, "hidden_dim": 16,
+        "vocab_size": 0, "batch_size": 8, "bptt": 10, "rounds": 1, "steps": 3, "warmup": 1,
+        "synthetic_sentences": 300, **overrides})
+
+
+# ----------------------------------------------------------------------------- pure parts
+def pad_fraction(real: int, slots: int) -> float:
+    """Share of padded slots: ``1 - real / slots`` (0 for no slots)."""
+    return 1.0 - real / slots if slots else 0.0
+
+
+def stall_fraction(t_memory: float, t_tfdata: float) -> float:
+    """Share of a tf.data-fed step spent waiting for input: ``1 - t_memory / t_tfdata``,
+    clipped at 0 (noise can make the tf.data-fed step the faster one)."""
+    if not t_tfdata > 0:
+        return 0.0
+    return max(0.0, 1.0 - t_memory / t_tfdata)
+
+
+def ratio(a: Any, b: Any) -> float | None:
+    """``a / b`` for two measured rates; None when either is missing."""
+    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)) or not b:
+        return None
+    return a / b
+
+
+def check_targets(results: dict[str, Any]) -> list[tuple[str, Any, str, float, bool]]:
+    """``(name, value, comparison, threshold, passed)`` for every target in TARGETS;
+    a missing value fails."""
+    rows = []
+    for name, (op, threshold) in TARGETS.items():
+        value = results.get(name)
+        ok = isinstance(value, (int, float)) and math.isfinite(value) and (
+            value >= threshold if op == ">=" else value <= threshold)
+        rows.append((name, value, op, threshold, ok))
+    return rows
+
+
+def fixed_windows(stream: np.ndarray, bptt: int) -> tuple[np.ndarray, np.ndarray]:
+    """A token stream cut into non-overlapping windows, the way the Keras guides feed
+    ``model.fit``: inputs [N, bptt] and the next tokens as targets [N, bptt]."""
+    n = (len(stream) - 1) // bptt
+    x = stream[: n * bptt].reshape(n, bptt)
+    y = stream[1: n * bptt + 1].reshape(n, bptt)
+    return x, y
+
+
+# ----------------------------------------------------------------------------- contenders
+class Contender:
+    """Something that trains: ``segment(n)`` runs ``n`` timed steps and returns
+    ``(real target tokens, seconds)``."""
+
+    name = ""
+
+    def warm_up(self, steps: int) -> None:
+        self.segment(steps)
+
+    def segment(self, steps: int) -> tuple[float, float]:
+        raise NotImplementedError
+
+
+class TfparContender(Contender):
+    """tfpar's training step under one plug-in, fed from tf.data or from memory."""
+
+    def __init__(self, name: str, plugin, model, optimizer, train_step, batches, *,
+                 stream: bool):
+        self.name, self.plugin, self.model = name, plugin, model
+        self.optimizer, self.train_step = optimizer, train_step
+        self.batches = batches  # an iterator (tf.data) or a list (in memory)
+        self.stream = stream
+        self.state = None
+        self._next = 0
+
+    def _batch(self):
+        if isinstance(self.batches, list):
+            batch = self.batches[self._next % len(self.batches)]
+            self._next += 1
+            return batch
+        return next(self.batches)
+
+    def segment(self, steps: int) -> tuple[float, float]:
+        tokens = 0.0
+        start = time.perf_counter()
+        for _ in range(steps):
+            batch = self._batch()
+            out = self.train_step(batch, self.state) if self.stream else self.train_step(batch)
+            self.state = out.state if self.stream else None
+            # The training loop reads these after every step too (a sync point).
+            tokens += float(out.count)
+            float(out.nll_sum), float(out.grad_norm)
+        return tokens, time.perf_counter() - start
+
+
+class KerasContender(Contender):
+    """The plain-Keras baseline: ``keras.Sequential`` + ``compile`` + ``fit``."""
+
+    name = "keras_baseline"
+
+    def __init__(self, spec: BenchSpec, vocab_size: int, x: np.ndarray, y: np.ndarray):
+        import keras
+
+        keras.utils.set_random_seed(spec.seed)
+        self.model = keras.Sequential([
+            keras.Input((spec.bptt,), dtype="int32"),
+            keras.layers.Embedding(vocab_size, spec.embed_dim),
+            *[keras.layers.LSTM(spec.hidden_dim, return_sequences=True)
+              for _ in range(spec.layers)],
+            keras.layers.Dense(vocab_size),
+        ])
+        self.model.compile(optimizer=keras.optimizers.Adam(3e-3),
+                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        self.x, self.y, self.batch_size = x, y, spec.batch_size
+        self._next = 0
+
+    def segment(self, steps: int) -> tuple[float, float]:
+        """One ``fit`` call over ``steps + 1`` batches, timed from the end of its first
+        batch to the end of its last (so ``fit``'s own start-up is not counted)."""
+        import keras
+
+        ends: list[float] = []
+
+        class Clock(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                ends.append(time.perf_counter())
+
+        rows = (steps + 1) * self.batch_size
+        if self._next + rows > len(self.x):
+            self._next = 0
+        x = self.x[self._next:self._next + rows]
+        y = self.y[self._next:self._next + rows]
+        self._next += rows
+        self.model.fit(x, y, batch_size=self.batch_size, epochs=1, verbose=0,
+                       callbacks=[Clock()])
+        tokens = float(np.count_nonzero(y[self.batch_size:]))
+        return tokens, ends[-1] - ends[0]
+
+
+# ----------------------------------------------------------------------------- set-up
+@dataclasses.dataclass
+class Setup:
+    spec: BenchSpec
+    corpus_name: str
+    corpus_note: str
+    splits: dict
+    vocab: Any
+    stream_data: Any  # InputData in stream mode
+    sentence_data: Any  # InputData in sentence mode
+
+
+def load_setup(spec: BenchSpec) -> Setup:
+    """Reads (or generates) the corpus and builds the vocabulary and the input data."""
+    from tfpar.config import DataConfig
+    from tfpar.data import load_corpus
+    from tfpar.input_pipeline import InputData
+    from tfpar.vocab import Vocab
+
+    note = ""
+    source = spec.data
+    if source != "synthetic" and not os.path.isdir(source):
+        note = f"PTB not found at {source}: using the generated (synthetic) corpus instead"
+        log.warning("%s", note)
+        source = "synthetic"
+    data_config = DataConfig(source=source, mode="stream", bptt=spec.bptt,
+                             synthetic_train=spec.synthetic_sentences,
+                             synthetic_valid=max(1, spec.synthetic_sentences // 10),
+                             synthetic_test=max(1, spec.synthetic_sentences // 10))
+    corpus = load_corpus(data_config, seed=spec.seed)
+    vocab = Vocab.build(corpus.splits["train"], max_size=spec.vocab_size)
+    stream = InputData(corpus.splits, vocab, data_config, seed=spec.seed)
+    sentence = InputData(corpus.splits, vocab, dataclasses.replace(data_config, mode="sentence"),
+                         seed=spec.seed)
+    return Setup(spec, corpus.name, note, corpus.splits, vocab, stream, sentence)
+
+
+def model_config(spec: BenchSpec):
+    from tfpar.config import ModelConfig
+
+    return ModelConfig(layers=spec.layers, embed_dim=spec.embed_dim, hidden_dim=spec.hidden_dim,
+                       precision=spec.precision)
+
+
+def build_tfpar(setup: Setup, name: str, dist) -> tuple[TfparContender, Any]:
+    """A tfpar contender under the plug-in ``dist`` names (Adam, clip 5: tfpar's defaults),
+    and the plug-in."""
+    import keras
+
+    from tfpar.model import build_model
+    from tfpar.strategies import build_strategy
+
+    spec = setup.spec
+    plugin = build_strategy(dist)
+    with plugin.scope():
+        model = build_model(model_config(spec), len(setup.vocab), seed=spec.seed)
+        optimizer = keras.optimizers.Adam(3e-3)
+        optimizer.build(model.trainable_variables)
+    train_step = plugin.make_train_step(model, optimizer, clip_norm=5.0)
+    data = setup.stream_data
+    batches = iter(plugin.distribute(
+        lambda ctx: data.batches("train", training=True, input_context=ctx,
+                                 batch_size=spec.batch_size).repeat()))
+    return TfparContender(name, plugin, model, optimizer, train_step, batches,
+                          stream=True), plugin
+
+
+def in_memory_twin(contender: TfparContender, steps: int) -> TfparContender:
+    """The same model and step fed from ``steps`` batches already in memory (taken from
+    the contender's own pipeline, so shapes and contents are the same)."""
+    batches = [next(contender.batches) for _ in range(steps)]
+    return TfparContender(contender.name + "_memory", contender.plugin, contender.model,
+                          contender.optimizer, contender.train_step, batches, stream=True)
+
+
+def keras_baseline(setup: Setup) -> KerasContender:
+    from tfpar.input_pipeline import stream_ids
+
+    stream = stream_ids(setup.splits["train"], setup.vocab).numpy()
+    x, y = fixed_windows(stream, setup.spec.bptt)
+    return KerasContender(setup.spec, len(setup.vocab), x, y)
+
+
+def distribution_configs() -> dict[str, Any]:
+    """name -> DistConfig, or NOT_AVAILABLE when the strategy is not registered."""
+    from tfpar.config import DistConfig
+    from tfpar.strategies import STRATEGIES
+
+    two = ("/cpu:0", "/cpu:1")
+    wanted = {
+        "default": DistConfig(strategy="default"),
+        "mirrored1": DistConfig(strategy="mirrored", devices=("/cpu:0",)),
+        "mirrored2": DistConfig(strategy="mirrored", devices=two),
+        "tower2": DistConfig(strategy="tower", devices=two),
+        "pipeline2": DistConfig(strategy="pipeline", cpu_devices=2),
+    }
+    return {k: (v if v.strategy in STRATEGIES else NOT_AVAILABLE) for k, v in wanted.items()}
+
+
+# ----------------------------------------------------------------------------- measuring
+def interleave(contenders: list[Contender], spec: BenchSpec) -> dict[str, dict[str, float]]:
+    """Runs every contender ``spec.rounds`` times for ``spec.steps`` steps, round-robin
+    with the order rotated each round; returns name -> {tokens_per_sec, step_seconds}
+    (medians over rounds)."""
+    for c in contenders:
+        c.warm_up(spec.warmup)
+    rates: dict[str, list[float]] = {c.name: [] for c in contenders}
+    step_times: dict[str, list[float]] = {c.name: [] for c in contenders}
+    for r in range(spec.rounds):
+        k = r % len(contenders)
+        for c in contenders[k:] + contenders[:k]:
+            tokens, seconds = c.segment(spec.steps)
+            rates[c.name].append(tokens / seconds)
+            step_times[c.name].append(seconds / spec.steps)
+        log.info("round %d/%d: %s", r + 1, spec.rounds,
+                 ", ".join(f"{n} {v[-1]:.0f}" for n, v in rates.items()))
+    return {n: {"tokens_per_sec": float(np.median(rates[n])),
+                "step_seconds": float(np.median(step_times[n]))} for n in rates}
+
+
+def padding(setup: Setup) -> dict[str, float]:
+    """Pad shares of one training epoch of sentence batches: tfpar's bucketing and a plain
+    ``padded_batch`` of the same shuffled sentences (long ones split the same way)."""
+    import tensorflow as tf
+
+    from tfpar.input_pipeline import count_tokens
+    from tfpar.vocab import PAD_ID
+
+    data, size = setup.sentence_data, setup.spec.batch_size
+    real_b, slots_b = count_tokens(data.batches("train", training=True, epoch=0, batch_size=size))
+    lines = data.splits["train"]
+    order = np.random.default_rng([data.seed, 0]).permutation(len(lines))
+    examples = data._examples([lines[i] for i in order])  # the very same examples, unbucketed
+    naive = examples.padded_batch(size, padding_values={"inputs": PAD_ID, "targets": PAD_ID})
+    real_n, slots_n = count_tokens(naive.prefetch(tf.data.AUTOTUNE))
+    assert real_n == real_b, (real_n, real_b)  # same tokens, only the padding differs
+    return {"pad_fraction_bucketed": pad_fraction(real_b, slots_b),
+            "pad_fraction_naive": pad_fraction(real_n, slots_n),
+            "sentence_tokens": real_b, "bucket_count": len(data.boundaries) + 1}
+
+
+def run(spec: BenchSpec) -> dict[str, Any]:
+    """Every measurement; returns the results dict that goes to ``--json``."""
+    started = time.time()
+    load_before = os.getloadavg()
+    setup = load_setup(spec)
+    results: dict[str, Any] = {
+        "spec": dataclasses.asdict(spec), "corpus": setup.corpus_name,
+        "corpus_note": setup.corpus_note, "vocab_size": len(setup.vocab),
+        "cpu_count": os.cpu_count(),
+    }
+    results.update(padding(setup))
+
+    contenders: list[Contender] = [keras_baseline(setup)]
+    distribution: dict[str, Any] = {}
+    for name, dist in distribution_configs().items():
+        if dist == NOT_AVAILABLE:
+            distribution[name] = NOT_AVAILABLE
+            continue
+        try:
+            contender, _ = build_tfpar(setup, name, dist)
+            contender.warm_up(spec.warmup)
+        except Exception as e:  # a strategy under construction must not sink the rest
+            log.warning("%s failed: %s", name, e)
+            distribution[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            continue
+        contenders.append(contender)
+        if name == "default":
+            contenders.append(in_memory_twin(contender, spec.steps))
+    measured = interleave(contenders, spec)
+
+    rate = {n: m["tokens_per_sec"] for n, m in measured.items()}
+    for name in distribution_configs():
+        distribution.setdefault(name, rate.get(name))
+    keras_rate, default_rate = rate["keras_baseline"], rate.get("default")
+    results.update({
+        "keras_baseline_tokens_per_sec": keras_rate,
+        "tfpar_tokens_per_sec": default_rate,
+        "tfpar_mirrored_tokens_per_sec": rate.get("mirrored2"),
+        "tfpar_vs_keras_baseline": ratio(default_rate, keras_rate),
+        "tfpar_mirrored_vs_keras_baseline": ratio(rate.get("mirrored2"), keras_rate),
+        "input_stall_fraction": (
+            stall_fraction(measured["default_memory"]["step_seconds"],
+                           measured["default"]["step_seconds"])
+            if "default" in measured else None),
+        "tfpar_in_memory_tokens_per_sec": rate.get("default_memory"),
+        "mirrored1_vs_default": ratio(rate.get("mirrored1"), default_rate),
+        "distribution_tokens_per_sec": distribution,
+        "distribution_vs_default": {
+            n: ratio(v, default_rate) if isinstance(v, float) else v
+            for n, v in distribution.items()},
+        "step_seconds": {n: m["step_seconds"] for n, m in measured.items()},
+        "load_average_before": load_before[0], "load_average_after": os.getloadavg()[0],
+        "seconds": time.time() - started,
+    })
+    results["targets"] = {name: {"value": value, "target": f"{op} {threshold}", "pass": ok}
+                          for name, value, op, threshold, ok in check_targets(results)}
+    return results
+
+
+# ----------------------------------------------------------------------------- reporting
+def format_report(results: dict[str, Any]) -> str:
+    """The human-readable summary the script prints."""
+    def num(v, fmt="{:,.0f}"):
+        return fmt.format(v) if isinstance(v, (int, float)) else str(v)
+
+    spec = results["spec"]
+    lines = [
+        f"corpus {results['corpus']} (vocab {results['vocab_size']}), {spec['layers']}-layer LSTM "
+        f"{spec['embed_dim']}/{spec['hidden_dim']}, batch {spec['batch_size']}, bptt "
+        f"{spec['bptt']}, stream mode, {spec['precision']}; {spec['rounds']} rounds x "
+        f"{spec['steps']} steps",
+    ]
+    if results["corpus_note"]:
+        lines.append(f"note: {results['corpus_note']}")
+    lines.append(f"{'contender':<22}{'tokens/s':>12}{'vs default':>12}")
+    lines.append(f"{'keras_baseline':<22}{num(results['keras_baseline_tokens_per_sec']):>12}")
+    for name, value in results["distribution_tokens_per_sec"].items():
+        rel = results["distribution_vs_default"][name]
+        lines.append(f"{name:<22}{num(value):>12}{num(rel, '{:.3f}') if isinstance(rel, float) else '':>12}")
+    lines.append(f"{'default (in memory)':<22}{num(results['tfpar_in_memory_tokens_per_sec']):>12}")
+    lines.append(f"pad fraction: bucketed {results['pad_fraction_bucketed']:.4f}, plain padded_batch "
+                 f"{results['pad_fraction_naive']:.4f} ({results['bucket_count']} buckets)")
+    la = (results["load_average_before"], results["load_average_after"])
+    lines.append(f"load average {la[0]:.2f} -> {la[1]:.2f}"
+                 + ("  (busy host: timings are noisy)" if max(la) > 1.5 else ""))
+    for name, t in results["targets"].items():
+        lines.append(f"{'PASS' if t['pass'] else 'FAIL'} {name} = "
+                     f"{num(t['value'], '{:.4f}')} (target {t['target']})")
+    return "\n".join(lines)
+
+
+def write_json(path: str, results: dict[str, Any]) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2, sort_keys=True)
+
+
+def write_plot(path: str, results: dict[str, Any]) -> None:
+    """Bar charts of tokens/s and of the stall and pad shares, as a PNG.
+
+    Raises:
+      ConfigError: matplotlib is not installed (it is the optional ``bench`` extra).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError(
+            "--plot needs matplotlib, which is not installed; install the extra with "
+            "pip install -e '.[bench]' or leave out --plot") from None
+    names = ["keras_baseline"] + list(results["distribution_tokens_per_sec"])
+    values = [results["keras_baseline_tokens_per_sec"]] + [
+        v if isinstance(v, float) else 0.0 for v in results["distribution_tokens_per_sec"].values()]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    bars = a.bar(names, values, color=["grey"] + ["tab:blue"] * (len(names) - 1))
+    for bar, v, name in zip(bars, values, names):
+        label = f"{v:,.0f}" if v else "n/a"
+        a.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), label, ha="center",
+               va="bottom", fontsize=8)
+    a.axhline(1.4 * results["keras_baseline_tokens_per_sec"], color="tab:red", ls="--", lw=1,
+              label="1.4 x Keras baseline (target)")
+    a.set_ylabel("training tokens/s")
+    a.set_title(f"{results['corpus']}: {results['spec']['layers']}x{results['spec']['hidden_dim']} "
+                f"LSTM, batch {results['spec']['batch_size']}, bptt {results['spec']['bptt']}")
+    a.tick_params(axis="x", labelrotation=20, labelsize=8)
+    a.legend(fontsize=8)
+    shares = {"input stall": results["input_stall_fraction"] or 0.0,
+              "pad (bucketed)": results["pad_fraction_bucketed"],
+              "pad (padded_batch)": results["pad_fraction_naive"]}
+    b.bar(list(shares), list(shares.values()), color=["tab:green", "tab:blue", "grey"])
+    for i, v in enumerate(shares.values()):
+        b.text(i, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
+    b.set_ylim(0, max(0.1, max(shares.values()) * 1.15))
+    b.set_ylabel("share of step time / of tokens")
+    b.tick_params(axis="x", labelrotation=20, labelsize=8)
+    fig.tight_layout()
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="benchmark.py",
+        description="Training throughput of tfpar against plain Keras, the input pipeline's "
+                    "share, padding, and the cost of distribution, measured side by side.")
+    p.add_argument("--data", default=DEFAULT_PTB,
+                   help="PTB folder, or 'synthetic' (default: %(default)s; falls back to the "
+                        "generated corpus when it is missing)")
+    p.add_argument("--quick", action="store_true", help="fewer rounds (a few minutes)")
+    p.add_argument("--tiny", action="store_true",
+                   help="a generated corpus and a toy model: seconds (for tests)")
+    p.add_argument("--rounds", type=int, default=0, help="interleaved rounds (0: by mode)")
+    p.add_argument("--steps", type=int, default=0, help="timed steps per segment (0: by mode)")
+    p.add_argument("--precision", default="fp32", help="fp32 | bf16 for the tfpar contenders")
+    p.add_argument("--json", default="", help="write the results to this JSON file")
+    p.add_argument("--plot", default="", help="write a PNG chart here (needs matplotlib)")
+    p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    p.add_argument("-v", "--verbose", action="store_true", help="TensorFlow's own logs too")
+    return p
+
+
+def spec_from_args(a: argparse.Namespace) -> BenchSpec:
+    overrides: dict[str, Any] = {"precision": a.precision}
+    if a.rounds:
+        overrides["rounds"] = a.rounds
+    if a.steps:
+        overrides["steps"] = a.steps
+    if a.tiny:
+        return tiny_spec(**overrides)
+    overrides["data"] = a.data
+    return quick_spec(**overrides) if a.quick else BenchSpec(**overrides)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``scripts/benchmark.py``: exit 0, or 1 under ``--check`` when a target is missed,
+    2 on a usage error."""
+    from tfpar.cli import run_main, setup_logging
+
+    args = parser().parse_args(argv)
+    setup_logging(args.verbose)
+
+    def body():
+        spec = spec_from_args(args)
+        from tfpar import devices
+
+        devices.configure_cpu_devices(2)  # mirrored / tower / pipeline on 2 logical CPUs
+        results = run(spec)
+        print(format_report(results))
+        if args.json:
+            write_json(args.json, results)
+        if args.plot:
+            write_plot(args.plot, results)
+        missed = [n for n, t in results["targets"].items() if not t["pass"]]
+        return 1 if args.check and missed else 0
+
+    return run_main(body)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
