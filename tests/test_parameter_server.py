@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO
-from tfpar import cluster, steps
+from tfpar import cluster, steps, summaries
 from tfpar.cli import train_main
 from tfpar.config import Config, DataConfig, ModelConfig, RunConfig
 from tfpar.errors import ConfigError
@@ -79,7 +79,7 @@ def test_a_sharded_keras_variable_checkpoints_like_an_unsharded_one(tmp_path):
     np.testing.assert_array_equal(plain.numpy(), value)
 
 
-def test_sharded_gradients_and_updates_match_unsharded_ones():
+def test_sharded_gradients_and_updates_match_unsharded_ones(tmp_path):
     config = ModelConfig(embed_dim=4, hidden_dim=4)
     plain = build_model(config, 12, seed=1)
     with sharded_scope():
@@ -104,6 +104,7 @@ def test_sharded_gradients_and_updates_match_unsharded_ones():
     assert int(optimizer.iterations.numpy()) == 2
     for a, b in zip(sharded.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    summaries.Writer(str(tmp_path), is_chief=True).histograms(sharded, step=2)  # no error
 
 
 @pytest.mark.parametrize("config, message", [

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import time
 from typing import Sequence
@@ -70,11 +71,76 @@ def _one_device(stages: str) -> str:
     return ",".join(f"{part}={first}" for part in spec)
 
 
+# A pipeline op's name: its stage, direction and micro-batch (see tfpar.strategies.pipeline).
+_PIECE = re.compile(r"^(?:gradient_tape/)?stage_(\d+)/(?:forward|backward)_mb_(\d+)/")
+
+
+def measure_overlap(step, batch: dict, *, steps: int = 2) -> float:
+    """Share of the step's wall time in which two stages run ops of two different
+    micro-batches at the same moment: the pipelining itself, seen in a profile.
+
+    Profiles ``steps`` steps with ``tf.profiler`` and reads every TensorFlow op event of
+    the host plane (one line per inter-op thread); an op belongs to the (stage,
+    micro-batch) its name scope says. Profiling slows the ops down, so this is a
+    fraction, not a time. 0 at M = 1 by construction; NaN when the profile cannot be read.
+    """
+    import glob
+    import tempfile
+
+    import tensorflow as tf
+
+    try:
+        from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    except ImportError:  # The profiler's proto moved: report nothing rather than guess.
+        return float("nan")
+    with tempfile.TemporaryDirectory(prefix="tfpar-bench-") as logdir:
+        tf.profiler.experimental.start(logdir)
+        try:
+            for _ in range(steps):
+                float(step(batch).nll_sum)
+        finally:
+            tf.profiler.experimental.stop()
+        files = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+        if not files:
+            return float("nan")
+        space = xplane_pb2.XSpace()
+        with open(files[0], "rb") as f:
+            space.ParseFromString(f.read())
+    plane = next((p for p in space.planes if p.name == "/host:CPU"), None)
+    if plane is None:
+        return float("nan")
+    edges, wall = [], 0
+    for line in plane.lines:
+        base = line.timestamp_ns * 1000
+        for e in line.events:
+            name = plane.event_metadata[e.metadata_id].name
+            start, end = base + e.offset_ps, base + e.offset_ps + e.duration_ps
+            if name == "train_step":
+                wall += end - start
+            m = _PIECE.match(name)
+            if m:
+                piece = (int(m.group(1)), int(m.group(2)))
+                edges += [(start, 1, piece), (end, -1, piece)]
+    # Sweep over op starts and ends, counting the running ops of each (stage, mb).
+    edges.sort(key=lambda e: (e[0], e[1]))
+    running: dict[tuple[int, int], int] = {}
+    overlap, last = 0, None
+    for t, delta, piece in edges:
+        if last is not None and len({k for k, _ in running}) > 1 \
+                and len({j for _, j in running}) > 1:
+            overlap += t - last
+        running[piece] = running.get(piece, 0) + delta
+        if not running[piece]:
+            del running[piece]
+        last = t
+    return overlap / wall if wall else float("nan")
+
+
 def pipeline_sweep(micro_batches: Sequence[int] = (1, 2, 4, 8), *,
                    stages: str = DEFAULT_STAGES, batch_size: int = 64, seq_len: int = 35,
                    vocab_size: int = 2000, embed_dim: int = 128, hidden_dim: int = 256,
                    layers: int = 2, steps: int = 5, rounds: int = 3, one_device: bool = True,
-                   seed: int = 0) -> list[dict]:
+                   overlap: bool = True, seed: int = 0) -> list[dict]:
     """Median train-step time of the pipeline for each number of micro-batches.
 
     Every configuration is built and traced first; then ``rounds`` rounds each time
@@ -90,12 +156,14 @@ def pipeline_sweep(micro_batches: Sequence[int] = (1, 2, 4, 8), *,
       steps: timed steps per configuration and round.
       rounds: interleaved rounds; the median over every timed step is reported.
       one_device: also time each M with every stage on the first device.
+      overlap: also profile each M (:func:`measure_overlap`), after the timing.
 
     Returns:
       One dict per M: ``micro_batches``, ``step_seconds`` (median), ``stages``,
       ``bubble_fraction_theory`` = (S-1)/(M+S-1), ``speedup_vs_M1`` (step time at M=1 /
       at M, NaN without M=1) and, with ``one_device``, ``one_device_step_seconds`` and
-      ``overlap_speedup`` (one device / pipelined, same M).
+      ``overlap_speedup`` (one device / pipelined, same M); with ``overlap``,
+      ``overlap_measured`` (:func:`measure_overlap`).
     """
     from tfpar.config import ModelConfig
 
@@ -121,6 +189,8 @@ def pipeline_sweep(micro_batches: Sequence[int] = (1, 2, 4, 8), *,
                 float(step(batch).nll_sum)  # Waits for the step to finish.
                 times[key].append(time.perf_counter() - start)
     median = {key: statistics.median(t) for key, t in times.items()}
+    measured = {m: measure_overlap(runs["pipeline", m], batch) for m in micro_batches} \
+        if overlap else {}
     base = median.get(("pipeline", 1))
     rows = []
     for m in micro_batches:
@@ -131,6 +201,8 @@ def pipeline_sweep(micro_batches: Sequence[int] = (1, 2, 4, 8), *,
             "bubble_fraction_theory": bubble_fraction(num_stages[m], m),
             "speedup_vs_M1": base / median["pipeline", m] if base else float("nan"),
         }
+        if overlap:
+            row["overlap_measured"] = measured[m]
         if one_device:
             row["one_device_step_seconds"] = median["one_device", m]
             row["overlap_speedup"] = median["one_device", m] / median["pipeline", m]
@@ -141,13 +213,18 @@ def pipeline_sweep(micro_batches: Sequence[int] = (1, 2, 4, 8), *,
 def format_table(rows: list[dict]) -> str:
     """The rows of :func:`pipeline_sweep` as a text table."""
     extra = "one_device_step_seconds" in rows[0]
+    measured = "overlap_measured" in rows[0]
     header = f"{'M':>3} {'step s':>9} {'bubble (theory)':>16} {'speedup vs M=1':>15}"
+    if measured:
+        header += f" {'2 stages busy':>14}"
     if extra:
         header += f" {'1-device step s':>16} {'overlap speedup':>16}"
     lines = [header, "-" * len(header)]
     for r in rows:
         line = (f"{r['micro_batches']:>3d} {r['step_seconds']:>9.4f} "
                 f"{r['bubble_fraction_theory']:>16.3f} {r['speedup_vs_M1']:>15.2f}")
+        if measured:
+            line += f" {r['overlap_measured']:>14.3f}"
         if extra:
             line += f" {r['one_device_step_seconds']:>16.4f} {r['overlap_speedup']:>16.2f}"
         lines.append(line)
@@ -191,6 +268,8 @@ def parser() -> argparse.ArgumentParser:
                    help="TensorFlow intra-op threads (0: TF's default, the core count)")
     p.add_argument("--no-one-device", action="store_true",
                    help="skip the one-device comparison runs")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="skip the profiled runs that measure how often two stages run at once")
     return p
 
 
@@ -214,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ms, stages=args.stages, batch_size=args.batch_size, seq_len=args.bptt,
             vocab_size=args.vocab_size, embed_dim=args.embed_dim, hidden_dim=args.hidden_dim,
             layers=args.layers, steps=args.steps, rounds=args.rounds,
-            one_device=not args.no_one_device)
+            one_device=not args.no_one_device, overlap=not args.no_overlap)
         print(f"pipeline sweep: --stages {args.stages}; batch {args.batch_size}x{args.bptt}, "
               f"{args.layers}x LSTM {args.hidden_dim}, vocab {args.vocab_size}; "
               f"{os.cpu_count()} cores; inter-op threads {args.inter_op_threads or 'default'}, "

@@ -79,7 +79,9 @@ class Writer:
             return
         with writer.as_default(step=step):
             for var in model.trainable_variables:
-                tf.summary.histogram("weights/" + var.path, var.value)
+                # A tensor, not var.value: a partitioned (parameter-server) variable's
+                # value is a ShardedVariable, which histogram's ops cannot take.
+                tf.summary.histogram("weights/" + var.path, tf.convert_to_tensor(var))
 
     def gradient_norms(self, norms: dict[str, float], step: int) -> None:
         """Per-variable gradient norms (``path -> norm``): one histogram of all of them
