@@ -602,9 +602,7 @@ def build_pipeline(dist: DistConfig) -> PipelinePlugin:
       ConfigError: a malformed ``--stages`` or one combined with ``--devices``.
       DeviceError: a stage device that does not exist on this host.
     """
-    plugin = PipelinePlugin(placement_from_config(dist), dist.micro_batches)
-    log.info("%s", plugin.describe())
-    return plugin
+    return PipelinePlugin(placement_from_config(dist), dist.micro_batches)
 
 
 # Micro-batches in verify_parallel.py: 3 does not divide its default batch of 10 rows.

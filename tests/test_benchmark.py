@@ -1,0 +1,154 @@
+"""The benchmark's pure parts, and one tiny end-to-end run of scripts/benchmark.py."""
+
+import contextlib
+import io
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+
+from tfpar import benchmark
+from tfpar.benchmark import (BenchSpec, check_targets, fixed_windows, pad_fraction, ratio,
+                             stall_fraction, tiny_spec)
+from tfpar.errors import ConfigError
+
+
+
+def _load_script():
+    """scripts/benchmark.py as a module (scripts/ is not a package)."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location(
+        "benchmark_script", os.path.join(benchmark.REPO, "scripts", "benchmark.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+main = _load_script().main
+
+KEYS = ("tfpar_tokens_per_sec", "keras_baseline_tokens_per_sec", "tfpar_vs_keras_baseline",
+        "input_stall_fraction", "pad_fraction_bucketed", "pad_fraction_naive",
+        "mirrored1_vs_default")
+
+
+def test_pad_fraction():
+    assert pad_fraction(90, 100) == pytest.approx(0.1)
+    assert pad_fraction(100, 100) == 0.0
+    assert pad_fraction(0, 0) == 0.0
+
+
+def test_stall_fraction_is_the_extra_time_share_clipped_at_zero():
+    assert stall_fraction(0.9, 1.0) == pytest.approx(0.1)
+    assert stall_fraction(1.2, 1.0) == 0.0  # noise: tf.data-fed step measured faster
+    assert stall_fraction(1.0, 0.0) == 0.0
+
+
+def test_ratio_of_missing_values_is_none():
+    assert ratio(3.0, 2.0) == 1.5
+    assert ratio("not available", 2.0) is None and ratio(1.0, None) is None
+
+
+def test_targets_pass_at_the_threshold_and_fail_past_it_or_when_missing():
+    good = {"tfpar_vs_keras_baseline": 1.4, "input_stall_fraction": 0.02,
+            "pad_fraction_bucketed": 0.0, "mirrored1_vs_default": 0.95}
+    assert all(row[-1] for row in check_targets(good))
+    bad = {**good, "tfpar_vs_keras_baseline": 1.39, "input_stall_fraction": 0.021,
+           "mirrored1_vs_default": None}
+    failed = {row[0] for row in check_targets(bad) if not row[-1]}
+    assert failed == {"tfpar_vs_keras_baseline", "input_stall_fraction", "mirrored1_vs_default"}
+    assert not check_targets({**good, "pad_fraction_bucketed": math.nan})[2][-1]
+
+
+def test_fixed_windows_cut_the_stream_and_shift_the_targets():
+    x, y = fixed_windows(np.arange(11), 3)
+    np.testing.assert_array_equal(x, [[0, 1, 2], [3, 4, 5], [6, 7, 8]])
+    np.testing.assert_array_equal(y, [[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+
+
+def test_spec_errors_name_the_bad_value():
+    with pytest.raises(ConfigError, match="--steps must be >= 1, got 0"):
+        BenchSpec(steps=0)
+    with pytest.raises(ConfigError, match="unknown precision 'fp16'; expected fp32 or bf16"):
+        BenchSpec(precision="fp16")
+
+
+def test_bad_flag_value_exits_2(capsys):
+    assert main(["--tiny", "--precision", "fp16"]) == 2
+    assert "error: unknown precision 'fp16'" in capsys.readouterr().err
+
+
+def test_missing_ptb_falls_back_to_the_generated_corpus_and_says_so(tmp_path):
+    setup = benchmark.load_setup(tiny_spec(data=str(tmp_path / "ptb")))
+    assert setup.corpus_name == "synthetic"
+    assert str(tmp_path / "ptb") in setup.corpus_note
+
+
+def test_bucketing_pads_far_less_than_padded_batch_on_the_same_sentences():
+    pads = benchmark.padding(benchmark.load_setup(tiny_spec(synthetic_sentences=400)))
+    assert pads["pad_fraction_bucketed"] <= 0.03
+    assert pads["pad_fraction_naive"] > 0.2
+    assert pads["bucket_count"] > 1
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One --quick --tiny --check run (seconds on an idle host); its exit code, JSON and
+    printed report."""
+    out = tmp_path_factory.mktemp("bench")
+    path = out / "b.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["--quick", "--tiny", "--check", "--json", str(path)])
+    return code, json.loads(path.read_text()), printed.getvalue()
+
+
+def test_tiny_run_writes_every_key(tiny_run):
+    _, results, _ = tiny_run
+    for key in KEYS:
+        assert key in results, key
+    assert results["corpus"] == "synthetic"
+    assert results["tfpar_tokens_per_sec"] > 0 and results["keras_baseline_tokens_per_sec"] > 0
+    assert results["tfpar_vs_keras_baseline"] == pytest.approx(
+        results["tfpar_tokens_per_sec"] / results["keras_baseline_tokens_per_sec"])
+    assert 0.0 <= results["input_stall_fraction"] < 1.0
+    assert results["pad_fraction_bucketed"] < results["pad_fraction_naive"]
+    assert set(results["distribution_tokens_per_sec"]) == {
+        "default", "mirrored1", "mirrored2", "tower2", "pipeline2"}
+    for name, value in results["distribution_tokens_per_sec"].items():
+        assert isinstance(value, float) or value == benchmark.NOT_AVAILABLE \
+            or value.startswith("failed:"), (name, value)
+    assert isinstance(results["distribution_tokens_per_sec"]["mirrored1"], float)
+
+
+def test_tiny_run_prints_a_verdict_per_target_and_check_sets_the_exit_code(tiny_run):
+    code, results, printed = tiny_run
+    for name in benchmark.TARGETS:
+        assert f"PASS {name}" in printed or f"FAIL {name}" in printed
+    missed = [n for n, t in results["targets"].items() if not t["pass"]]
+    assert code == (1 if missed else 0)
+
+
+def test_unregistered_strategies_are_marked_not_available(monkeypatch):
+    from tfpar import strategies
+
+    monkeypatch.delitem(strategies.STRATEGIES, "tower")
+    configs = benchmark.distribution_configs()
+    assert configs["tower2"] == benchmark.NOT_AVAILABLE
+    assert configs["mirrored2"].strategy == "mirrored"
+
+
+def test_plot_is_a_png(tiny_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "b.png"
+    benchmark.write_plot(str(path), tiny_run[1])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_a_one_line_error(tiny_run, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    with pytest.raises(ConfigError, match=r"--plot needs matplotlib.*\.\[bench\]"):
+        benchmark.write_plot(str(tmp_path / "b.png"), tiny_run[1])
