@@ -81,10 +81,10 @@ def wait_for(condition, what: str, timeout: float):
 
 @pytest.mark.cluster
 def test_a_killed_worker_is_restarted_and_the_run_completes(tmp_path):
-    max_steps, every = 40, 10
+    max_steps, every = 20, 5
     args = ["--workers", "2", "--restarts", "1", "--",
             "--strategy", "multi_worker", "--max-steps", str(max_steps),
-            "--checkpoint-every", str(every), "--synthetic-sentences", "1000,100,100",
+            "--checkpoint-every", str(every), "--synthetic-sentences", "1000,50,50",
             "--embed-dim", "16", "--hidden-dim", "16", "--batch-size", "16",
             "--eval-batch-size", "100", "--no-progress", "--no-export",
             "--model-dir", str(tmp_path / "run"), "--metrics-json", str(tmp_path / "m.json")]

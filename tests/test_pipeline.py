@@ -255,7 +255,7 @@ def test_placement_log_shows_every_stage_op_on_its_device(tiny_corpus_dir, tmp_p
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     per_stage = {0: {}, 1: {}}
-    for m in PLACEMENT_LINE.finditer(proc.stderr):
+    for m in PLACEMENT_LINE.finditer(proc.stdout + proc.stderr):  # printf: stdout
         k = stage_of(m.group(1).removeprefix("Func/"))
         if k is not None:
             per_stage[k][m.group(1)] = "/" + m.group(2)
@@ -426,3 +426,34 @@ def test_pipeline_plugin_without_a_model_has_no_stages():
     assert plugin.devices == CPU[:2]
     with pytest.raises(RuntimeError, match="no model yet"):
         plugin.stages  # noqa: B018
+
+
+# ----------------------------------------------------------------- benchmark
+def test_pipeline_sweep_rows_and_measured_overlap():
+    from tfpar import bench_pipeline
+
+    rows = bench_pipeline.pipeline_sweep(
+        (1, 2), stages=TWO, batch_size=6, seq_len=4, vocab_size=30, embed_dim=8,
+        hidden_dim=8, layers=1, steps=1, rounds=1)
+    assert [r["micro_batches"] for r in rows] == [1, 2]
+    assert [r["stages"] for r in rows] == [2, 2]
+    assert [r["bubble_fraction_theory"] for r in rows] == [1 / 2, 1 / 3]
+    assert rows[0]["speedup_vs_M1"] == 1.0
+    for r in rows:
+        assert r["step_seconds"] > 0 and r["one_device_step_seconds"] > 0
+        assert r["overlap_speedup"] == pytest.approx(
+            r["one_device_step_seconds"] / r["step_seconds"])
+    # One micro-batch: no two stages ever work on different micro-batches at once.
+    assert rows[0]["overlap_measured"] == 0.0
+    assert 0.0 <= rows[1]["overlap_measured"] < 1.0
+    table = bench_pipeline.format_table(rows)
+    assert table.splitlines()[0].split()[:2] == ["M", "step"]
+    assert len(table.splitlines()) == 4
+
+
+def test_bench_main_rejects_bad_micro_batches(capsys):
+    from tfpar import bench_pipeline
+
+    assert bench_pipeline.main(["--micro-batches", "1,two"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --micro-batches '1,two' must be comma-separated integers, e.g. 1,2,4,8")

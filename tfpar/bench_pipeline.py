@@ -258,8 +258,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--embed-dim", type=int, default=128, help="(default: %(default)s)")
     p.add_argument("--hidden-dim", type=int, default=256, help="(default: %(default)s)")
     p.add_argument("--layers", type=int, default=2, help="(default: %(default)s)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per round (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=5,
+                   help="timed steps per round (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds (default: %(default)s)")
     p.add_argument("--cpu-devices", type=int, default=2,
                    help="logical CPU devices (default: %(default)s)")
     p.add_argument("--inter-op-threads", type=int, default=0,
@@ -296,7 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             one_device=not args.no_one_device, overlap=not args.no_overlap)
         print(f"pipeline sweep: --stages {args.stages}; batch {args.batch_size}x{args.bptt}, "
               f"{args.layers}x LSTM {args.hidden_dim}, vocab {args.vocab_size}; "
-              f"{os.cpu_count()} cores; inter-op threads {args.inter_op_threads or 'default'}, "
+              f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end; "
+              f"inter-op threads {args.inter_op_threads or 'default'}, "
               f"intra-op threads {args.intra_op_threads or 'default'}")
         print(format_table(rows))
 

@@ -116,17 +116,21 @@ def shard_parts(variable) -> list:
     return list(inner.variables) if isinstance(inner, ShardedVariable) else [variable]
 
 
-def loss_and_grads(model, batch: dict, count: tf.Tensor):
-    """``tfpar.steps.loss_and_grads`` for partitioned variables: gradients per shard,
-    concatenated into one gradient per model variable (Keras's variables cannot be
-    differentiated through a ``ShardedVariable``).
+def loss_and_grads(model, batch: dict):
+    """Gradients of ``nll_sum / token_count`` of one whole batch (one worker's step), as
+    ``tfpar.steps.loss_and_grads`` computes them, but taken per shard of a partitioned
+    variable and concatenated (a Keras variable cannot be differentiated through a
+    ``ShardedVariable``).
+
+    Args:
+      batch: {"inputs": [B, T], "targets": [B, T]}, a whole global batch.
 
     Returns:
       ``(grads, nll_sum, count)``, one dense gradient per ``model.trainable_variables``.
     """
     parts = [shard_parts(v) for v in model.trainable_variables]
     with tf.GradientTape() as tape:
-        nll_sum, count_here, _ = steps.forward(model, batch, None, training=True)
+        nll_sum, count, _ = steps.forward(model, batch, None, training=True)
         loss = nll_sum / tf.maximum(count, 1.0)
     flat = tape.gradient(loss, [p for group in parts for p in group])
     grads, i = [], 0
@@ -134,7 +138,7 @@ def loss_and_grads(model, batch: dict, count: tf.Tensor):
         pieces = [tf.convert_to_tensor(g) for g in flat[i:i + len(group)]]
         i += len(group)
         grads.append(pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=0))
-    return grads, nll_sum, count_here
+    return grads, nll_sum, count
 
 
 def apply_update(optimizer, grads, variables) -> None:
@@ -220,8 +224,7 @@ class ParameterServerPlugin(StrategyPlugin):
                  % (MIN_SHARD_BYTES >> 10))
 
         def replica_step(batch):
-            count = tf.reduce_sum(tf.cast(batch["targets"] != 0, tf.float32))
-            grads, nll_sum, count = loss_and_grads(model, batch, count)
+            grads, nll_sum, count = loss_and_grads(model, batch)
             norm = tf.linalg.global_norm(grads)
             factor = steps.clip_factor(norm, clip_norm)
 

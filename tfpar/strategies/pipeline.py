@@ -25,11 +25,14 @@ gradient of its output from the stage after it. Picture for S = 2 stages, M = 4
     bubble: each stage idles (S-1) of its (M+S-1) forward slots and as many backward ones,
     a fraction (S-1)/(M+S-1) of the step: 1/2 at M=1, 1/3 at M=2, 1/5 at M=4, 1/9 at M=8.
 
-The schedule is not imposed by control edges: the step is one ``tf.function`` whose only
-edges between (stage, micro-batch) pieces are the data they pass, and TensorFlow's
-executor runs any piece whose inputs are ready on an idle inter-op thread. So a stage may
-also start B_j as soon as F_j is done on every later stage (a 1F1B-like order); the sums
-of the gradients do not depend on the order.
+The picture is GPipe's order, not a constraint: the step is one ``tf.function`` whose only
+edges between (stage, micro-batch) pieces are the data they pass (``tests/test_pipeline.py``
+checks the traced graph for any other), and TensorFlow's executor runs whatever piece has
+its inputs on an idle inter-op thread. A profile shows it taking micro-batches out of
+order and starting B_j as soon as F_j is done on every later stage (a 1F1B-like order);
+the sums of the gradients do not depend on the order. Overlap needs 2+ inter-op threads
+(``tf.config.threading``; TF's default is one per core); ``python -m
+tfpar.bench_pipeline`` measures it.
 
 The loss of micro-batch j is ``nll_sum_j / N`` with N the real-token count of the whole
 global batch, so the sum of the micro-batches' gradients is the whole batch's gradient.
@@ -41,8 +44,9 @@ With dropout on, each micro-batch draws its own mask (the same distribution as o
 device's, not the same numbers).
 
 Ops are named ``stage_<k>/forward_mb_<j>/…``, ``gradient_tape/stage_<k>/forward_mb_<j>/…``
-(their gradients) and ``stage_<k>/accumulate``, so the overlap can be read off a
-TensorBoard trace (``--profile-steps``) and the placement checked on the traced graph.
+and ``stage_<k>/backward_mb_<j>/…`` (its gradient), ``stage_<k>/accumulate``, so the
+overlap can be read off a TensorBoard trace (``--profile-steps``: the trace viewer's
+``tf_Compute`` threads) and the placement checked on the traced graph.
 """
 
 from __future__ import annotations
@@ -364,101 +368,129 @@ class PipelinePlugin(StrategyPlugin):
 
     # ------------------------------------------------------------------------ steps
     def make_train_step(self, model, optimizer, *, clip_norm):
-        stages = self.bind(model)
-        m = self.micro_batches
-        stage_vars = [_stage_variables(model, s) for s in stages]
+        self.bind(model)
+        stage_vars = [_stage_variables(model, s) for s in self.stages]
         owner = _owners(model, stage_vars)
 
         @tf.function(reduce_retracing=True)
         def train_step(batch, state=None):
             mbs = self._split(batch)
-            with tf.device(stages[-1].device), tf.name_scope("global_count"):
+            with tf.device(self.stages[-1].device), tf.name_scope("global_count"):
                 global_count = tf.maximum(losses.token_count(batch["targets"]), 1.0)
-            states = self._split_state(model, state, mbs)
-            # Forward wavefront: at tick t, stage k runs micro-batch t - k.
-            carry, tapes, outs = {}, {}, {}
-            for t in range(len(stages) + m - 1):
-                for s in stages:
-                    j = t - s.index
-                    if 0 <= j < m:
-                        with tf.GradientTape() as tape:
-                            x_in = carry.get((s.index - 1, j))
-                            if x_in is not None:
-                                tape.watch(x_in[0])
-                            outs[s.index, j] = self._forward(
-                                model, s, j, mbs[j], x_in, states, global_count, training=True)
-                        tapes[s.index, j] = (tape, x_in)
-                        carry[s.index, j] = outs[s.index, j]["x"]
-            # Backward wavefront, the other way round.
-            grads = {id(v): [] for v in model.trainable_variables}
-            upstream = {}
-            for t in reversed(range(len(stages) + m - 1)):
-                for s in reversed(stages):
-                    j = t - s.index
-                    if not 0 <= j < m:
-                        continue
-                    tape, x_in = tapes.pop((s.index, j))
-                    with tf.device(s.device), tf.name_scope(f"{s.scope}/backward_mb_{j}"):
-                        sources = ([x_in[0]] if x_in is not None else []) + stage_vars[s.index]
-                        if s.index == len(stages) - 1:
-                            g = tape.gradient(outs[s.index, j]["loss"], sources)
-                        else:
-                            g = tape.gradient(outs[s.index, j]["x"][0], sources,
-                                              output_gradients=upstream.pop((s.index, j)))
-                    if x_in is not None:
-                        upstream[s.index - 1, j] = g[0]
-                        g = g[1:]
-                    for v, gv in zip(stage_vars[s.index], g):
-                        grads[id(v)].append(gv)
-            total, partials = [], []
-            for s in stages:
-                with tf.device(s.device), tf.name_scope(f"{s.scope}/accumulate"):
-                    mine = [(v, _sum(grads[id(v)])) for v in model.trainable_variables
-                            if owner[id(v)] == s.index]
-                    if mine:
-                        partials.append(tf.add_n([tf.reduce_sum(tf.square(g)) for _, g in mine]))
-                    total.extend(mine)
-            with tf.device(stages[0].device), tf.name_scope("global_norm"):
-                norm = tf.sqrt(tf.add_n(partials))
-                factor = steps.clip_factor(norm, clip_norm)
-            clipped = {}
-            for s in stages:
-                with tf.device(s.device), tf.name_scope(f"{s.scope}/clip"):
-                    for v, g in total:
-                        if owner[id(v)] == s.index:
-                            clipped[id(v)] = g * factor
-            with tf.name_scope("update"):  # Update ops are colocated with the weights.
-                optimizer.apply_gradients(
-                    [(clipped[id(v)], v) for v in model.trainable_variables])
-            return dict(nll_sum=_sum_outputs(outs, stages, "nll", "sum_nll"),
-                        count=_sum_outputs(outs, stages, "count", "sum_count"),
-                        grad_norm=norm,
+            outs, tapes = self._forward_all(model, mbs, self._split_state(model, state, mbs),
+                                            global_count, training=True)
+            grads = self._backward_all(outs, tapes, stage_vars)
+            norm = self._clip_and_apply(model, optimizer, grads, owner, clip_norm)
+            return dict(nll_sum=self._sum_last(outs, "nll"),
+                        count=self._sum_last(outs, "count"), grad_norm=norm,
                         state=self._join_state(model, outs, mbs, detach=True))
 
         return steps.as_step_output(train_step)
 
     def make_eval_step(self, model):
-        stages = self.bind(model)
-        m = self.micro_batches
+        self.bind(model)
 
         @tf.function(reduce_retracing=True)
         def eval_step(batch, state=None):
             mbs = self._split(batch)
-            states = self._split_state(model, state, mbs)
-            outs, carry = {}, {}
-            for t in range(len(stages) + m - 1):
-                for s in stages:
-                    j = t - s.index
-                    if 0 <= j < m:
-                        outs[s.index, j] = self._forward(
-                            model, s, j, mbs[j], carry.get((s.index - 1, j)), states, None,
-                            training=False)
-                        carry[s.index, j] = outs[s.index, j]["x"]
-            return dict(nll_sum=_sum_outputs(outs, stages, "nll", "sum_nll"),
-                        count=_sum_outputs(outs, stages, "count", "sum_count"),
+            outs, _ = self._forward_all(model, mbs, self._split_state(model, state, mbs),
+                                        None, training=False)
+            return dict(nll_sum=self._sum_last(outs, "nll"),
+                        count=self._sum_last(outs, "count"),
                         state=self._join_state(model, outs, mbs, detach=False))
 
         return steps.as_step_output(eval_step)
+
+    def schedule(self) -> list[tuple[Stage, int]]:
+        """(stage, micro-batch) in wavefront order: at tick t, stage k runs micro-batch
+        t - k. Only the order the graph is built in: the data decide what runs when."""
+        m, stages = self.micro_batches, self.stages
+        return [(s, t - s.index) for t in range(len(stages) + m - 1) for s in stages
+                if 0 <= t - s.index < m]
+
+    def _forward_all(self, model, mbs, states, global_count, *, training: bool):
+        """Every stage on every micro-batch; with ``training``, each piece on its own
+        tape, watching the activations it received.
+
+        Returns:
+          ``(outs, tapes)`` keyed by (stage index, micro-batch); ``tapes`` maps to
+          ``(tape, activations received or None)``.
+        """
+        outs, tapes = {}, {}
+        for s, j in self.schedule():
+            x_in = outs[s.index - 1, j]["x"] if s.index else None
+            if not training:
+                outs[s.index, j] = self._forward(model, s, j, mbs[j], x_in, states, None,
+                                                 training=False)
+                continue
+            with tf.GradientTape() as tape:
+                if x_in is not None:
+                    tape.watch(x_in[0])
+                outs[s.index, j] = self._forward(model, s, j, mbs[j], x_in, states,
+                                                 global_count, training=True)
+            tapes[s.index, j] = (tape, x_in)
+        return outs, tapes
+
+    def _backward_all(self, outs: dict, tapes: dict, stage_vars: list[list]) -> dict:
+        """Backward wavefront, the other way round: each piece differentiates its own
+        forward, the last stage its loss, the others their output given the gradient the
+        stage after them sent back. The tape's gradient ops are built inside the stage's
+        device scope, so they run where their forward ops ran.
+
+        Returns:
+          {id(weight): [its gradient from every piece that uses it]}.
+        """
+        grads = {id(v): [] for vs in stage_vars for v in vs}
+        upstream = {}  # (stage, micro-batch) -> gradient of that piece's output.
+        last = len(self.stages) - 1
+        for s, j in reversed(self.schedule()):
+            tape, x_in = tapes.pop((s.index, j))
+            sources = ([x_in[0]] if x_in is not None else []) + stage_vars[s.index]
+            with tf.device(s.device), tf.name_scope(f"{s.scope}/backward_mb_{j}"):
+                if s.index == last:
+                    g = tape.gradient(outs[s.index, j]["loss"], sources)
+                else:
+                    g = tape.gradient(outs[s.index, j]["x"][0], sources,
+                                      output_gradients=upstream.pop((s.index, j)))
+            if x_in is not None:
+                upstream[s.index - 1, j] = g[0]
+                g = g[1:]
+            for v, gv in zip(stage_vars[s.index], g):
+                grads[id(v)].append(gv)
+        return grads
+
+    def _clip_and_apply(self, model, optimizer, grads: dict, owner: dict,
+                        clip_norm: float) -> tf.Tensor:
+        """Sums each weight's gradients on its stage, clips by the global norm, applies
+        once; returns the norm before clipping."""
+        summed, partials = {}, []
+        for s in self.stages:
+            mine = [v for v in model.trainable_variables if owner[id(v)] == s.index]
+            if not mine:
+                continue
+            with tf.device(s.device), tf.name_scope(f"{s.scope}/accumulate"):
+                for v in mine:
+                    summed[id(v)] = _sum(grads[id(v)])
+                # This stage's share of the squared global norm: one scalar leaves it.
+                partials.append(tf.add_n([tf.reduce_sum(tf.square(summed[id(v)]))
+                                          for v in mine]))
+        with tf.device(self.stages[0].device), tf.name_scope("global_norm"):
+            norm = tf.sqrt(tf.add_n(partials))
+            factor = steps.clip_factor(norm, clip_norm)
+        for s in self.stages:
+            with tf.device(s.device), tf.name_scope(f"{s.scope}/clip"):
+                for v in model.trainable_variables:
+                    if owner[id(v)] == s.index:
+                        summed[id(v)] = summed[id(v)] * factor
+        with tf.name_scope("update"):  # TF runs each update where its weight lives.
+            optimizer.apply_gradients([(summed[id(v)], v) for v in model.trainable_variables])
+        return norm
+
+    def _sum_last(self, outs: dict, key: str) -> tf.Tensor:
+        """The sum over micro-batches of the last stage's ``key`` ("nll", "count")."""
+        last = self.stages[-1]
+        with tf.device(last.device), tf.name_scope(f"sum_{key}"):
+            return tf.add_n([outs[last.index, j][key] for j in range(self.micro_batches)])
 
     # ---------------------------------------------------------------- stage pieces
     def _forward(self, model, stage: Stage, j: int, mb: _MicroBatch, x_in, states,
@@ -576,12 +608,6 @@ def _sum(grads: list):
             sparse[0].dense_shape))
         return tf.add_n([merged] + dense) if dense else merged
     return tf.add_n(grads) if len(grads) > 1 else grads[0]
-
-
-def _sum_outputs(outs: dict, stages: list[Stage], key: str, scope: str) -> tf.Tensor:
-    last = stages[-1]
-    with tf.device(last.device), tf.name_scope(scope):
-        return tf.add_n([v[key] for (k, _), v in sorted(outs.items()) if k == last.index])
 
 
 def _state_rows(state: tf.Tensor, start: tf.Tensor, size: tf.Tensor) -> tf.Tensor:
