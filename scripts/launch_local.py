@@ -47,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
         prog="launch_local.py",
         usage="%(prog)s --workers N [--ps M] [--restarts K] [--ports LIST] -- <train.py flags>",
         description=__doc__.split("\n\n")[0].strip(),
-        epilog=__doc__.split("\n\n", 2)[2],
+        epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--workers", type=int, required=True,
@@ -64,10 +64,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser().parse_args(argv[:split])  # --help exits here
+    if split == len(argv):
         parser().error("give train.py's flags after --, e.g. -- --strategy multi_worker")
-    split = argv.index("--")
-    args = parser().parse_args(argv[:split])
     train_args = argv[split + 1:]
 
     from tfpar import cluster

@@ -46,12 +46,14 @@ def test_parse_reads_the_cluster_and_the_task():
     (json.dumps({"cluster": MW}), 'TF_CONFIG has no "task" with a type and an index'),
     (json.dumps({"cluster": MW, "task": {"type": "worker"}}), 'no "task" with a type and an index'),
     (tf_config(MW, "chief", 0), r"task type 'chief' is not a job of the cluster \(worker\)"),
-    (tf_config(MW, "worker", 2), r"task index 2 is out of range: job 'worker' has 2 task\(s\), so 0..1"),
+    (tf_config(MW, "worker", 2),
+     r"task index 2 is out of range: job 'worker' has 2 task\(s\), so 0..1"),
     (tf_config(MW, "worker", -1), "task index -1 is out of range"),
     (tf_config(MW, "worker", "0"), "task index '0' is out of range"),
     (tf_config({"worker": []}), "job 'worker' must be a non-empty list of host:port addresses"),
     (tf_config({"worker": ["127.0.0.1"]}), "address '127.0.0.1' is not host:port"),
-    (tf_config({"worker": ["h:99999"]}), "address 'h:99999' is not host:port with a port in 1..65535"),
+    (tf_config({"worker": ["h:99999"]}),
+     "address 'h:99999' is not host:port with a port in 1..65535"),
 ])
 def test_malformed_tf_config_is_one_line_error(text, message):
     with pytest.raises(ClusterError, match=message):
@@ -127,7 +129,8 @@ def test_parameter_server_plan_has_a_chief_workers_and_ps():
     (dict(strategy="mirrored", workers=2), "--strategy mirrored runs in one process: use "
                                            "scripts/train.py"),
     (dict(strategy="multi_worker", workers=0), "--workers must be >= 1, got 0"),
-    (dict(strategy="multi_worker", workers=2, ps=1), "--ps 1: multi_worker has no parameter servers"),
+    (dict(strategy="multi_worker", workers=2, ps=1),
+     "--ps 1: multi_worker has no parameter servers"),
     (dict(strategy="parameter_server", workers=2, ps=0), "needs --ps >= 1"),
     (dict(strategy="multi_worker", workers=2, ports=[1234]),
      r"--ports lists 1 port\(s\) but the job has 2 tasks \(worker 0, worker 1\)"),
@@ -141,7 +144,8 @@ def test_bad_plans_are_refused(kwargs, message):
 
 def test_a_given_port_that_is_taken_is_refused(listening_port):
     with pytest.raises(ClusterError, match=f"port {listening_port} of worker 1 .* already in use"):
-        cluster.plan_job("multi_worker", workers=2, ports=[cluster.free_ports(1)[0], listening_port])
+        cluster.plan_job("multi_worker", workers=2,
+                         ports=[cluster.free_ports(1)[0], listening_port])
 
 
 def test_train_args_get_one_shared_model_dir():
@@ -212,7 +216,8 @@ def test_a_usage_error_is_not_restarted():
 
 def test_a_server_that_exits_early_fails_the_job():
     out = io.StringIO()
-    scripts = {"chief 0": "import time; time.sleep(600)", "worker 0": "pass", "ps 0": "import time; time.sleep(600)"}
+    forever = "import time; time.sleep(600)"
+    scripts = {"chief 0": forever, "worker 0": "pass", "ps 0": forever}
     plan = cluster.plan_job("parameter_server", workers=1, ps=1)
     assert cluster.run_job(lambda: plan, python_tasks(scripts), out=out) == 1
     assert "[launch] worker 0 exited before the job finished; stopping the job" in out.getvalue()

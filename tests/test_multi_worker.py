@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfpar import cluster
 from tfpar.cli import train_main
 from tfpar.input_pipeline import per_replica
 from tfpar.strategies import multi_worker
@@ -66,7 +65,8 @@ def run_train(args, capsys):
 
 def worker_config(address="127.0.0.1:1", index=0, workers=2):
     addresses = [address] + [f"127.0.0.1:{2 + i}" for i in range(workers - 1)]
-    return json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": index}})
+    return json.dumps({"cluster": {"worker": addresses},
+                       "task": {"type": "worker", "index": index}})
 
 
 @pytest.mark.parametrize("tf_config, extra, message", [

@@ -113,8 +113,7 @@ def test_sharded_gradients_and_updates_match_unsharded_ones(tmp_path):
                                                    "training process"),
 ])
 def test_settings_asynchronous_training_cannot_honour(config, message):
-    tf_config = json.dumps({"cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"],
-                                        "ps": ["127.0.0.1:3"]}, "task": {"type": "chief", "index": 0}})
+    tf_config = ps_config()
     plugin = ps.ParameterServerPlugin(None, None, cluster.parse_tf_config(tf_config))
     with pytest.raises(ConfigError, match=message):
         plugin.check_config(config)

@@ -236,15 +236,11 @@ def test_traced_step_places_every_stage_op_on_its_device_gradients_included():
 PLACEMENT_LINE = re.compile(r"^(\S+): \(\w+\): /job:\S+/(device:\w+:\d+)$", re.MULTILINE)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "tfpar/layers.py hands its recurrence a device-less ReadVariableOp of the recurrent "
-    "kernel; while-loop lowering puts that loop variable's Enter/Merge/Switch/Exit on the "
-    "default device /cpu:0, so every time step of a stage-1 loop hops to /cpu:0 and back. "
-    "Fixed by reading the weights with tf.identity in tfpar.layers._value; then drop this mark"))
 def test_placement_log_shows_every_stage_op_on_its_device(tiny_corpus_dir, tmp_path):
     """What the runtime did, not what the graph asked for: the --log-device-placement
     output of scripts/train.py (inlined loop bodies included). TensorFlow reads that
-    option only when it starts, hence a fresh process."""
+    option only when it starts, hence a fresh process. (It caught a recurrence fed from a
+    device-less variable read: its loop plumbing ran on /cpu:0 for stage 1.)"""
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "scripts", "train.py"), "--data",
          str(tiny_corpus_dir), "--embed-dim", "16", "--hidden-dim", "16", "--layers", "2",

@@ -64,6 +64,9 @@ class BenchSpec:
     bptt: int = 35
     # "fp32" or "bf16" (tfpar contenders only; the Keras baseline stays fp32).
     precision: str = "fp32"
+    # Optimizer of every contender, tfpar and Keras alike: "sgd" (as in ptb_word_lm.py's
+    # small configuration) or "adam" (tfpar's default).
+    optimizer: str = "sgd"
     # Interleaved rounds; in each, every contender trains `steps` timed steps.
     rounds: int = 5
     steps: int = 40
@@ -83,6 +86,8 @@ class BenchSpec:
             raise ConfigError(f"--warmup must be >= 1 (the first step traces), got {self.warmup}")
         if self.precision not in ("fp32", "bf16"):
             raise ConfigError(f"unknown precision {self.precision!r}; expected fp32 or bf16")
+        if self.optimizer not in ("sgd", "adam"):
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; expected sgd or adam")
 
 
 def quick_spec(**overrides) -> BenchSpec:
@@ -141,17 +146,31 @@ def fixed_windows(stream: np.ndarray, bptt: int) -> tuple[np.ndarray, np.ndarray
 
 
 # ----------------------------------------------------------------------------- contenders
+@dataclasses.dataclass
+class Segment:
+    """What ``n`` timed training steps took."""
+
+    tokens: float  # real target tokens trained on
+    seconds: float  # wall time
+    cpu_seconds: float  # CPU time of the whole process (every thread) in that wall time
+
+
 class Contender:
-    """Something that trains: ``segment(n)`` runs ``n`` timed steps and returns
-    ``(real target tokens, seconds)``."""
+    """Something that trains: ``segment(n)`` runs ``n`` timed steps."""
 
     name = ""
 
     def warm_up(self, steps: int) -> None:
         self.segment(steps)
 
-    def segment(self, steps: int) -> tuple[float, float]:
+    def segment(self, steps: int) -> Segment:
         raise NotImplementedError
+
+
+def _optimizer(name: str):
+    import keras
+
+    return keras.optimizers.SGD(1.0) if name == "sgd" else keras.optimizers.Adam(3e-3)
 
 
 class TfparContender(Contender):
@@ -173,9 +192,9 @@ class TfparContender(Contender):
             return batch
         return next(self.batches)
 
-    def segment(self, steps: int) -> tuple[float, float]:
+    def segment(self, steps: int) -> Segment:
         tokens = 0.0
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for _ in range(steps):
             batch = self._batch()
             out = self.train_step(batch, self.state) if self.stream else self.train_step(batch)
@@ -183,7 +202,7 @@ class TfparContender(Contender):
             # The training loop reads these after every step too (a sync point).
             tokens += float(out.count)
             float(out.nll_sum), float(out.grad_norm)
-        return tokens, time.perf_counter() - start
+        return Segment(tokens, time.perf_counter() - start, time.process_time() - cpu)
 
 
 class KerasContender(Contender):
@@ -202,21 +221,21 @@ class KerasContender(Contender):
               for _ in range(spec.layers)],
             keras.layers.Dense(vocab_size),
         ])
-        self.model.compile(optimizer=keras.optimizers.Adam(3e-3),
+        self.model.compile(optimizer=_optimizer(spec.optimizer),
                            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         self.x, self.y, self.batch_size = x, y, spec.batch_size
         self._next = 0
 
-    def segment(self, steps: int) -> tuple[float, float]:
+    def segment(self, steps: int) -> Segment:
         """One ``fit`` call over ``steps + 1`` batches, timed from the end of its first
         batch to the end of its last (so ``fit``'s own start-up is not counted)."""
         import keras
 
-        ends: list[float] = []
+        ends: list[tuple[float, float]] = []
 
         class Clock(keras.callbacks.Callback):
             def on_train_batch_end(self, batch, logs=None):
-                ends.append(time.perf_counter())
+                ends.append((time.perf_counter(), time.process_time()))
 
         rows = (steps + 1) * self.batch_size
         if self._next + rows > len(self.x):
@@ -227,7 +246,7 @@ class KerasContender(Contender):
         self.model.fit(x, y, batch_size=self.batch_size, epochs=1, verbose=0,
                        callbacks=[Clock()])
         tokens = float(np.count_nonzero(y[self.batch_size:]))
-        return tokens, ends[-1] - ends[0]
+        return Segment(tokens, ends[-1][0] - ends[0][0], ends[-1][1] - ends[0][1])
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -275,10 +294,8 @@ def model_config(spec: BenchSpec):
 
 
 def build_tfpar(setup: Setup, name: str, dist) -> tuple[TfparContender, Any]:
-    """A tfpar contender under the plug-in ``dist`` names (Adam, clip 5: tfpar's defaults),
-    and the plug-in."""
-    import keras
-
+    """A tfpar contender under the plug-in ``dist`` names (clip 5, tfpar's default), and
+    the plug-in."""
     from tfpar.model import build_model
     from tfpar.strategies import build_strategy
 
@@ -286,7 +303,7 @@ def build_tfpar(setup: Setup, name: str, dist) -> tuple[TfparContender, Any]:
     plugin = build_strategy(dist)
     with plugin.scope():
         model = build_model(model_config(spec), len(setup.vocab), seed=spec.seed)
-        optimizer = keras.optimizers.Adam(3e-3)
+        optimizer = _optimizer(spec.optimizer)
         optimizer.build(model.trainable_variables)
     train_step = plugin.make_train_step(model, optimizer, clip_norm=5.0)
     data = setup.stream_data
@@ -332,22 +349,25 @@ def distribution_configs() -> dict[str, Any]:
 # ----------------------------------------------------------------------------- measuring
 def interleave(contenders: list[Contender], spec: BenchSpec) -> dict[str, dict[str, float]]:
     """Runs every contender ``spec.rounds`` times for ``spec.steps`` steps, round-robin
-    with the order rotated each round; returns name -> {tokens_per_sec, step_seconds}
-    (medians over rounds)."""
-    for c in contenders:
-        c.warm_up(spec.warmup)
-    rates: dict[str, list[float]] = {c.name: [] for c in contenders}
-    step_times: dict[str, list[float]] = {c.name: [] for c in contenders}
+    with the order rotated each round.
+
+    Returns:
+      name -> medians over rounds of ``tokens_per_sec`` (wall), ``step_seconds`` and
+      ``tokens_per_cpu_sec`` (tokens per second of process CPU time: less sensitive to
+      other processes on a busy host, though it counts spinning worker threads too).
+    """
+    segments: dict[str, list[Segment]] = {c.name: [] for c in contenders}
     for r in range(spec.rounds):
         k = r % len(contenders)
         for c in contenders[k:] + contenders[:k]:
-            tokens, seconds = c.segment(spec.steps)
-            rates[c.name].append(tokens / seconds)
-            step_times[c.name].append(seconds / spec.steps)
-        log.info("round %d/%d: %s", r + 1, spec.rounds,
-                 ", ".join(f"{n} {v[-1]:.0f}" for n, v in rates.items()))
-    return {n: {"tokens_per_sec": float(np.median(rates[n])),
-                "step_seconds": float(np.median(step_times[n]))} for n in rates}
+            segments[c.name].append(c.segment(spec.steps))
+        log.info("round %d/%d: %s", r + 1, spec.rounds, ", ".join(
+            f"{n} {s[-1].tokens / s[-1].seconds:.0f}" for n, s in segments.items()))
+    return {n: {
+        "tokens_per_sec": float(np.median([s.tokens / s.seconds for s in segs])),
+        "step_seconds": float(np.median([s.seconds / spec.steps for s in segs])),
+        "tokens_per_cpu_sec": float(np.median([s.tokens / s.cpu_seconds for s in segs])),
+    } for n, segs in segments.items()}
 
 
 def padding(setup: Setup) -> dict[str, float]:
@@ -391,7 +411,7 @@ def run(spec: BenchSpec) -> dict[str, Any]:
             continue
         try:
             contender, _ = build_tfpar(setup, name, dist)
-            contender.warm_up(spec.warmup)
+            contender.warm_up(spec.warmup)  # traces: a broken strategy fails here
         except Exception as e:  # a strategy under construction must not sink the rest
             log.warning("%s failed: %s", name, e)
             distribution[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -399,6 +419,7 @@ def run(spec: BenchSpec) -> dict[str, Any]:
         contenders.append(contender)
         if name == "default":
             contenders.append(in_memory_twin(contender, spec.steps))
+    contenders[0].warm_up(spec.warmup)
     measured = interleave(contenders, spec)
 
     rate = {n: m["tokens_per_sec"] for n, m in measured.items()}
@@ -422,6 +443,12 @@ def run(spec: BenchSpec) -> dict[str, Any]:
             n: ratio(v, default_rate) if isinstance(v, float) else v
             for n, v in distribution.items()},
         "step_seconds": {n: m["step_seconds"] for n, m in measured.items()},
+        # The same comparison in tokens per CPU-second: on a busy host, where wall time
+        # depends on what else runs, this ratio is the steadier one.
+        "tokens_per_cpu_sec": {n: m["tokens_per_cpu_sec"] for n, m in measured.items()},
+        "tfpar_vs_keras_baseline_cpu": ratio(
+            measured.get("default", {}).get("tokens_per_cpu_sec"),
+            measured["keras_baseline"]["tokens_per_cpu_sec"]),
         "load_average_before": load_before[0], "load_average_after": os.getloadavg()[0],
         "seconds": time.time() - started,
     })
@@ -440,17 +467,24 @@ def format_report(results: dict[str, Any]) -> str:
     lines = [
         f"corpus {results['corpus']} (vocab {results['vocab_size']}), {spec['layers']}-layer LSTM "
         f"{spec['embed_dim']}/{spec['hidden_dim']}, batch {spec['batch_size']}, bptt "
-        f"{spec['bptt']}, stream mode, {spec['precision']}; {spec['rounds']} rounds x "
+        f"{spec['bptt']}, stream mode, {spec['precision']}, {spec['optimizer']}; "
+        f"{spec['rounds']} rounds x "
         f"{spec['steps']} steps",
     ]
     if results["corpus_note"]:
         lines.append(f"note: {results['corpus_note']}")
-    lines.append(f"{'contender':<22}{'tokens/s':>12}{'vs default':>12}")
-    lines.append(f"{'keras_baseline':<22}{num(results['keras_baseline_tokens_per_sec']):>12}")
+    cpu = results["tokens_per_cpu_sec"]
+    lines.append(f"{'contender':<22}{'tokens/s':>12}{'vs default':>12}{'tokens/cpu-s':>14}")
+    lines.append(f"{'keras_baseline':<22}{num(results['keras_baseline_tokens_per_sec']):>12}"
+                 f"{'':>12}{num(cpu.get('keras_baseline')):>14}")
     for name, value in results["distribution_tokens_per_sec"].items():
         rel = results["distribution_vs_default"][name]
-        lines.append(f"{name:<22}{num(value):>12}{num(rel, '{:.3f}') if isinstance(rel, float) else '':>12}")
-    lines.append(f"{'default (in memory)':<22}{num(results['tfpar_in_memory_tokens_per_sec']):>12}")
+        rel = num(rel, "{:.3f}") if isinstance(rel, float) else ""
+        lines.append(f"{name:<22}{num(value):>12}{rel:>12}{num(cpu.get(name, '')):>14}")
+    lines.append(f"{'default (in memory)':<22}{num(results['tfpar_in_memory_tokens_per_sec']):>12}"
+                 f"{'':>12}{num(cpu.get('default_memory')):>14}")
+    lines.append(f"tfpar vs Keras in tokens per CPU-second: "
+                 f"{num(results['tfpar_vs_keras_baseline_cpu'], '{:.3f}')}")
     lines.append(f"pad fraction: bucketed {results['pad_fraction_bucketed']:.4f}, plain padded_batch "
                  f"{results['pad_fraction_naive']:.4f} ({results['bucket_count']} buckets)")
     la = (results["load_average_before"], results["load_average_after"])
@@ -530,6 +564,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=0, help="interleaved rounds (0: by mode)")
     p.add_argument("--steps", type=int, default=0, help="timed steps per segment (0: by mode)")
     p.add_argument("--precision", default="fp32", help="fp32 | bf16 for the tfpar contenders")
+    p.add_argument("--optimizer", default="sgd",
+                   help="sgd | adam, for every contender (default: %(default)s, as in "
+                        "ptb_word_lm.py's small configuration)")
     p.add_argument("--json", default="", help="write the results to this JSON file")
     p.add_argument("--plot", default="", help="write a PNG chart here (needs matplotlib)")
     p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
@@ -538,7 +575,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def spec_from_args(a: argparse.Namespace) -> BenchSpec:
-    overrides: dict[str, Any] = {"precision": a.precision}
+    overrides: dict[str, Any] = {"precision": a.precision, "optimizer": a.optimizer}
     if a.rounds:
         overrides["rounds"] = a.rounds
     if a.steps:

@@ -47,7 +47,8 @@ LOOPBACK = "127.0.0.1"
 # Jobs each cluster strategy needs and accepts, in the order tasks are listed.
 JOBS = {
     "multi_worker": {"required": ("worker",), "allowed": ("chief", "worker")},
-    "parameter_server": {"required": ("chief", "worker", "ps"), "allowed": ("chief", "worker", "ps")},
+    "parameter_server": {"required": ("chief", "worker", "ps"),
+                         "allowed": ("chief", "worker", "ps")},
 }
 CLUSTER_STRATEGIES = tuple(JOBS)
 
@@ -117,7 +118,8 @@ def parse_tf_config(text: str) -> ClusterConfig:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ClusterError(f"TF_CONFIG is not valid JSON ({e.msg} at character {e.pos}); "
-                           'expected {"cluster": {...}, "task": {"type": ..., "index": ...}}') from None
+                           'expected {"cluster": {...}, "task": {"type": ..., "index": ...}}'
+                           ) from None
     if not isinstance(data, dict):
         raise ClusterError(f"TF_CONFIG must be a JSON object with cluster and task, got "
                            f"{type(data).__name__}")
@@ -141,9 +143,10 @@ def parse_tf_config(text: str) -> ClusterConfig:
     if task_type not in jobs:
         raise ClusterError(f"TF_CONFIG task type {task_type!r} is not a job of the cluster "
                            f"({', '.join(jobs)})")
-    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(jobs[task_type]):
+    count = len(jobs[task_type])
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count:
         raise ClusterError(f"TF_CONFIG task index {index!r} is out of range: job {task_type!r} "
-                           f"has {len(jobs[task_type])} task(s), so 0..{len(jobs[task_type]) - 1}")
+                           f"has {count} task(s), so 0..{count - 1}")
     return ClusterConfig(jobs, task_type, index)
 
 
@@ -165,8 +168,8 @@ def check_jobs(config: ClusterConfig, strategy: str) -> None:
                                f"only: {have}")
     for job in config.cluster:
         if job not in jobs["allowed"]:
-            raise ClusterError(f"--strategy {strategy} has no {job!r} tasks, but TF_CONFIG's cluster "
-                               f"lists some; use only: {', '.join(jobs['allowed'])}")
+            raise ClusterError(f"--strategy {strategy} has no {job!r} tasks, but TF_CONFIG's "
+                               f"cluster lists some; use only: {', '.join(jobs['allowed'])}")
     if config.count("chief") > 1:
         raise ClusterError(f"TF_CONFIG lists {config.count('chief')} chief tasks; a cluster has "
                            "at most one chief")
@@ -260,6 +263,14 @@ class JobPlan:
         return tf_config_json(self.cluster, task.type, task.index)
 
 
+def check_cluster_strategy(strategy: str) -> None:
+    """Raises ClusterError unless ``strategy`` runs on a cluster."""
+    if strategy not in JOBS:
+        raise ClusterError(
+            f"launch_local.py starts clusters for --strategy {' or '.join(CLUSTER_STRATEGIES)}; "
+            f"--strategy {strategy} runs in one process: use scripts/train.py")
+
+
 def plan_job(strategy: str, *, workers: int, ps: int = 0,
              ports: Sequence[int] | None = None) -> JobPlan:
     """The tasks and loopback addresses of a local ``strategy`` cluster.
@@ -272,10 +283,7 @@ def plan_job(strategy: str, *, workers: int, ps: int = 0,
       ClusterError: a strategy without a cluster, bad counts, or ports that are taken or
         are not one per task.
     """
-    if strategy not in JOBS:
-        raise ClusterError(
-            f"launch_local.py starts clusters for --strategy {' or '.join(CLUSTER_STRATEGIES)}; "
-            f"--strategy {strategy} runs in one process: use scripts/train.py")
+    check_cluster_strategy(strategy)
     if workers < 1:
         raise ClusterError(f"--workers must be >= 1, got {workers}")
     if strategy == "multi_worker":
@@ -288,7 +296,8 @@ def plan_job(strategy: str, *, workers: int, ps: int = 0,
         if ps < 1:
             raise ClusterError(f"--strategy parameter_server needs --ps >= 1 (tasks that hold "
                                f"the variables), got {ps}")
-        tasks = ((Task("chief", 0),) + tuple(Task("worker", i, finishes=False) for i in range(workers))
+        tasks = ((Task("chief", 0),)
+                 + tuple(Task("worker", i, finishes=False) for i in range(workers))
                  + tuple(Task("ps", i, finishes=False) for i in range(ps)))
     if ports:
         if len(ports) != len(tasks):
@@ -459,8 +468,7 @@ def train_args_for_cluster(args: Sequence[str]) -> tuple[str, list[str]]:
     strategy = flag_value(args, "--strategy")
     if strategy is None:
         raise ClusterError("give train.py's --strategy after --, e.g. -- --strategy multi_worker")
-    if strategy not in JOBS:
-        plan_job(strategy, workers=1)  # raises the message for one-process strategies
+    check_cluster_strategy(strategy)
     args = list(args)
     if flag_value(args, "--model-dir") is None:
         model_dir = os.path.join("runs", f"{strategy}-{datetime.datetime.now():%Y%m%d-%H%M%S}")

@@ -323,8 +323,11 @@ def gru_sequence(x, h0, mask, kernel, recurrent_kernel, bias, *, matmul_dtype=No
 # ----------------------------------------------------------------------------- layers
 def _value(v):
     """A weight as a plain tensor: custom gradients must not see (distributed) variables;
-    the read itself is what the tape differentiates."""
-    return tf.convert_to_tensor(v.value if hasattr(v, "value") else v)
+    the read itself is what the tape differentiates. tf.identity puts a copy on the device
+    that runs the layer (a tower's): TF leaves a variable read without a device, and the
+    recurrence loop's plumbing for it would then land on device 0 and feed every step from
+    there."""
+    return tf.identity(tf.convert_to_tensor(v.value if hasattr(v, "value") else v))
 
 
 def _default_math(layer) -> bool:

@@ -35,11 +35,22 @@ def nll_sum_and_count(logits: tf.Tensor, targets: tf.Tensor) -> tuple[tf.Tensor,
       ``(nll_sum, count)``, float32 scalars. A batch with no real tokens gives ``(0, 0)``.
     """
     # Fused log-softmax + cross-entropy: never materialises the [B, T, V] probabilities.
-    nll = tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=tf.cast(targets, tf.int32), logits=tf.cast(logits, tf.float32)
-    )
+    labels, logits = tf.cast(targets, tf.int32), tf.cast(logits, tf.float32)
+    if logits.shape.is_fully_defined() and not tf.executing_eagerly():
+        # A traced step with a fixed shape (stream mode's windows; the first trace of a
+        # step): XLA's fused kernel is ~3x faster on CPU than TF's and compiles once.
+        # Shapes that vary (sentence buckets) are traced generically and skip it, so XLA
+        # never compiles per bucket.
+        nll = _xla_cross_entropy(labels, logits)
+    else:
+        nll = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
     mask = token_mask(targets)
     return tf.reduce_sum(nll * mask), tf.reduce_sum(mask)
+
+
+@tf.function(jit_compile=True)
+def _xla_cross_entropy(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
+    return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
 
 
 def perplexity(nll_sum: float, count: float) -> float:

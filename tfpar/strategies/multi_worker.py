@@ -1,4 +1,4 @@
-"""``multi_worker``: synchronous data parallelism across processes (``MultiWorkerMirroredStrategy``).
+"""``multi_worker``: synchronous data parallelism over processes (MultiWorkerMirroredStrategy).
 
 Every worker process holds a copy of the variables and runs the same step as the
 ``mirrored`` plug-in; gradients, token counts and the global norm are all-reduced across

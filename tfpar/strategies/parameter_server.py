@@ -1,4 +1,4 @@
-"""``parameter_server``: asynchronous training (``ParameterServerStrategy`` + ``ClusterCoordinator``).
+"""``parameter_server``: asynchronous training (ParameterServerStrategy, ClusterCoordinator).
 
 Tasks (``TF_CONFIG``, see ``tfpar.cluster``): ``ps`` tasks hold the variables, ``worker``
 tasks compute steps, and the ``chief`` is the coordinator: it runs the training loop,
