@@ -139,7 +139,7 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path):
     assert os.path.exists(tmp_path / "run" / "checkpoints" / f"ckpt-{step}.index")
 
 
-def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
+def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
     corpus = make_corpus(tmp_path)
     args = run_args(corpus, tmp_path, "run", steps=6)
     assert train_main(args + ["--no-export"]) == 0
@@ -147,9 +147,11 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
     with open(data, "r+b") as f:
         f.truncate(10)
     args[args.index("--max-steps") + 1] = "8"
+    capsys.readouterr()
     assert train_main(args + ["--no-export"]) == 0
-    assert "ckpt-6 is unreadable" in caplog.text
-    assert "resumed from" in caplog.text and "ckpt-4 (step 4)" in caplog.text
+    log = capsys.readouterr().err
+    assert "ckpt-6 is unreadable" in log
+    assert "resumed from" in log and "ckpt-4 (step 4)" in log
     assert json.loads((tmp_path / "run.json").read_text())["steps"] == 8
 
 

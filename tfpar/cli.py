@@ -218,13 +218,16 @@ class _StderrHandler(logging.StreamHandler):
 def setup_logging(verbose: bool = False) -> None:
     """Human logs on stderr; TensorFlow's C++ chatter only with --verbose.
 
-    tfpar's records go to a handler on the ``tfpar`` logger (and still propagate, so
-    anything listening on the root logger sees them too).
+    tfpar's records go to one handler on the ``tfpar`` logger, which writes to the
+    current ``sys.stderr``.
     """
     if not verbose:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     logger = logging.getLogger("tfpar")
     logger.setLevel(logging.INFO)
+    # Libraries imported later may configure the root logger; tfpar's records go to
+    # this one handler only, so they are never printed twice.
+    logger.propagate = False
     if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(levelname).1s %(name)s: %(message)s"))
