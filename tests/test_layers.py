@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfpar import layers
 from tfpar.layers import FastGRU, FastLSTM
 
 PAIRS = [(FastLSTM, keras.layers.LSTM, 2), (FastGRU, keras.layers.GRU, 1)]
@@ -77,15 +76,6 @@ def test_padded_row_keeps_its_state_and_repeats_its_output(fast_cls, ref_cls, n_
     # Keras repeats the last real output at padded steps.
     np.testing.assert_allclose(padded[0][:, 3].numpy(), short[0][:, 2].numpy(), atol=1e-6)
     np.testing.assert_allclose(padded[0][:, 4].numpy(), short[0][:, 2].numpy(), atol=1e-6)
-
-
-@pytest.mark.parametrize("fast_cls,ref_cls,n_state", PAIRS)
-def test_xla_compiled_recurrence_matches_too(fast_cls, ref_cls, n_state, monkeypatch):
-    monkeypatch.setattr(layers, "JIT", True)
-    ref, fast = twins(fast_cls, ref_cls)
-    x = tf.random.stateless_normal([4, 5, 4], seed=[3, 4])
-    init = [tf.random.stateless_normal([4, 7], seed=[5, i]) for i in range(n_state)]
-    assert_same(run(fast, x, tf.constant(MASK), init), run(ref, x, tf.constant(MASK), init))
 
 
 @pytest.mark.parametrize("fast_cls,ref_cls,n_state", PAIRS)

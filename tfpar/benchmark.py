@@ -420,7 +420,10 @@ def run(spec: BenchSpec) -> dict[str, Any]:
         contenders.append(contender)
         if name == "default":
             contenders.append(in_memory_twin(contender, spec.steps))
-    contenders[0].warm_up(spec.warmup)
+    # Warm every contender again once all exist: building a strategy drops compiled
+    # (XLA) kernels of the ones built before it.
+    for contender in contenders:
+        contender.warm_up(spec.warmup)
     measured = interleave(contenders, spec)
 
     rate = {n: m["tokens_per_sec"] for n, m in measured.items()}
