@@ -74,6 +74,40 @@ def test_spec_errors_name_the_bad_value():
         BenchSpec(steps=0)
     with pytest.raises(ConfigError, match="unknown precision 'fp16'; expected fp32 or bf16"):
         BenchSpec(precision="fp16")
+    with pytest.raises(ConfigError, match="unknown optimizer 'rmsprop'; expected sgd or adam"):
+        BenchSpec(optimizer="rmsprop")
+    with pytest.raises(ConfigError, match="warmup must be >= 2"):
+        BenchSpec(warmup=1)
+
+
+class FakeContender(benchmark.Contender):
+    """Steps that take a fixed time; records the order it was called in."""
+
+    def __init__(self, name, seconds, calls):
+        self.name, self.seconds, self.calls = name, seconds, calls
+
+    def step(self):
+        self.calls.append(self.name)
+        return benchmark.Segment(10.0, self.seconds, self.seconds)
+
+    def segment(self, steps):
+        self.calls.append(self.name)
+        return benchmark.Segment(10.0 * steps, self.seconds * steps, self.seconds * steps)
+
+
+def test_paired_steps_alternate_the_order_and_give_time_ratios():
+    calls = []
+    a, b = FakeContender("a", 0.3, calls), FakeContender("b", 0.2, calls)
+    assert benchmark.paired_step_ratios(a, b, 3) == pytest.approx([1.5, 1.5, 1.5])
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+
+
+def test_paired_segments_give_rates_of_both_sides():
+    calls = []
+    a, b = FakeContender("a", 0.5, calls), FakeContender("b", 0.25, calls)
+    rates_a, rates_b = benchmark.paired_segment_rates(a, b, tiny_spec(rounds=2, steps=4))
+    assert rates_a == pytest.approx([20.0, 20.0]) and rates_b == pytest.approx([40.0, 40.0])
+    assert calls == ["a", "b", "b", "a"]
 
 
 def test_bad_flag_value_exits_2(capsys):

@@ -193,17 +193,21 @@ class TfparContender(Contender):
             return batch
         return next(self.batches)
 
-    def segment(self, steps: int) -> Segment:
-        tokens = 0.0
+    def step(self) -> Segment:
+        """One training step, including the wait for its batch."""
         start, cpu = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            batch = self._batch()
-            out = self.train_step(batch, self.state) if self.stream else self.train_step(batch)
-            self.state = out.state if self.stream else None
-            # The training loop reads these after every step too (a sync point).
-            tokens += float(out.count)
-            float(out.nll_sum), float(out.grad_norm)
+        batch = self._batch()
+        out = self.train_step(batch, self.state) if self.stream else self.train_step(batch)
+        self.state = out.state if self.stream else None
+        # The training loop reads these after every step too (a sync point).
+        tokens = float(out.count)
+        float(out.nll_sum), float(out.grad_norm)
         return Segment(tokens, time.perf_counter() - start, time.process_time() - cpu)
+
+    def segment(self, steps: int) -> Segment:
+        parts = [self.step() for _ in range(steps)]
+        return Segment(sum(p.tokens for p in parts), sum(p.seconds for p in parts),
+                       sum(p.cpu_seconds for p in parts))
 
 
 class KerasContender(Contender):
@@ -371,6 +375,32 @@ def interleave(contenders: list[Contender], spec: BenchSpec) -> dict[str, dict[s
     } for n, segs in segments.items()}
 
 
+def paired_step_ratios(a: TfparContender, b: TfparContender, pairs: int) -> list[float]:
+    """``a``'s step time over ``b``'s, for ``pairs`` pairs of back-to-back steps (the
+    order alternates): the finest A/B pairing, so a change of load hits both sides."""
+    ratios = []
+    for i in range(pairs):
+        if i % 2:
+            tb, ta = b.step(), a.step()
+        else:
+            ta, tb = a.step(), b.step()
+        ratios.append(ta.seconds / tb.seconds)
+    return ratios
+
+
+def paired_segment_rates(a: Contender, b: Contender, spec: BenchSpec
+                         ) -> tuple[list[float], list[float]]:
+    """Tokens/s of ``a`` and ``b`` in ``spec.rounds`` pairs of back-to-back segments of
+    ``spec.steps`` steps (the order alternates)."""
+    rates_a, rates_b = [], []
+    for r in range(spec.rounds):
+        order = (a, b) if r % 2 == 0 else (b, a)
+        got = {id(c): c.segment(spec.steps) for c in order}
+        rates_a.append(got[id(a)].tokens / got[id(a)].seconds)
+        rates_b.append(got[id(b)].tokens / got[id(b)].seconds)
+    return rates_a, rates_b
+
+
 def padding(setup: Setup) -> dict[str, float]:
     """Pad shares of one training epoch of sentence batches: tfpar's bucketing and a plain
     ``padded_batch`` of the same shuffled sentences (long ones split the same way)."""
@@ -404,7 +434,9 @@ def run(spec: BenchSpec) -> dict[str, Any]:
     }
     results.update(padding(setup))
 
-    contenders: list[Contender] = [keras_baseline(setup)]
+    keras_contender = keras_baseline(setup)
+    contenders: list[Contender] = [keras_contender]
+    tfpar: dict[str, TfparContender] = {}
     distribution: dict[str, Any] = {}
     for name, dist in distribution_configs().items():
         if dist == NOT_AVAILABLE:
@@ -418,40 +450,55 @@ def run(spec: BenchSpec) -> dict[str, Any]:
             distribution[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
             continue
         contenders.append(contender)
-        if name == "default":
-            contenders.append(in_memory_twin(contender, spec.steps))
+        tfpar[name] = contender
+    if "default" not in tfpar:
+        raise RuntimeError(f"tfpar's default strategy failed: {distribution['default']}")
+    default = tfpar["default"]
+    memory = in_memory_twin(default, spec.steps)
     # Warm every contender again once all exist: building a strategy drops compiled
     # (XLA) kernels of the ones built before it.
     for contender in contenders:
         contender.warm_up(spec.warmup)
+
+    # The headline figures, each from back-to-back pairs (a busy host's load drifts):
+    # Keras against tfpar in whole segments (fit runs a segment at a time) ...
+    keras_rates, tfpar_rates = paired_segment_rates(keras_contender, default, spec)
+    # ... and the input stall and the one-replica mirrored cost step by step.
+    pairs = spec.rounds * spec.steps
+    memory_over_tfdata = paired_step_ratios(memory, default, pairs)
+    default_over_mirrored1 = (paired_step_ratios(default, tfpar["mirrored1"], pairs)
+                              if "mirrored1" in tfpar else None)
+    # Every contender side by side, for the distribution table.
     measured = interleave(contenders, spec)
 
     rate = {n: m["tokens_per_sec"] for n, m in measured.items()}
     for name in distribution_configs():
         distribution.setdefault(name, rate.get(name))
-    keras_rate, default_rate = rate["keras_baseline"], rate.get("default")
+    keras_rate, default_rate = float(np.median(keras_rates)), float(np.median(tfpar_rates))
     results.update({
         "keras_baseline_tokens_per_sec": keras_rate,
         "tfpar_tokens_per_sec": default_rate,
         "tfpar_mirrored_tokens_per_sec": rate.get("mirrored2"),
-        "tfpar_vs_keras_baseline": ratio(default_rate, keras_rate),
-        "tfpar_mirrored_vs_keras_baseline": ratio(rate.get("mirrored2"), keras_rate),
-        "input_stall_fraction": (
-            stall_fraction(measured["default_memory"]["step_seconds"],
-                           measured["default"]["step_seconds"])
-            if "default" in measured else None),
-        "tfpar_in_memory_tokens_per_sec": rate.get("default_memory"),
-        "mirrored1_vs_default": ratio(rate.get("mirrored1"), default_rate),
+        "tfpar_vs_keras_baseline": float(np.median(
+            [t / k for t, k in zip(tfpar_rates, keras_rates)])),
+        "tfpar_vs_keras_baseline_per_round": [t / k for t, k in zip(tfpar_rates, keras_rates)],
+        "tfpar_mirrored_vs_keras_baseline": ratio(rate.get("mirrored2"), rate["keras_baseline"]),
+        # 1 - t_memory / t_tfdata, from the median of step-by-step pairs.
+        "input_stall_fraction": stall_fraction(float(np.median(memory_over_tfdata)), 1.0),
+        "tfpar_in_memory_tokens_per_sec": default_rate * float(np.median(
+            [1.0 / x for x in memory_over_tfdata])),
+        "mirrored1_vs_default": (float(np.median(default_over_mirrored1))
+                                 if default_over_mirrored1 else None),
         "distribution_tokens_per_sec": distribution,
-        "distribution_vs_default": {
-            n: ratio(v, default_rate) if isinstance(v, float) else v
+        "distribution_vs_default": {  # within the side-by-side table
+            n: ratio(v, rate["default"]) if isinstance(v, float) else v
             for n, v in distribution.items()},
         "step_seconds": {n: m["step_seconds"] for n, m in measured.items()},
         # The same comparison in tokens per CPU-second: on a busy host, where wall time
         # depends on what else runs, this ratio is the steadier one.
         "tokens_per_cpu_sec": {n: m["tokens_per_cpu_sec"] for n, m in measured.items()},
         "tfpar_vs_keras_baseline_cpu": ratio(
-            measured.get("default", {}).get("tokens_per_cpu_sec"),
+            measured["default"]["tokens_per_cpu_sec"],
             measured["keras_baseline"]["tokens_per_cpu_sec"]),
         "load_average_before": load_before[0], "load_average_after": os.getloadavg()[0],
         "seconds": time.time() - started,
@@ -485,9 +532,10 @@ def format_report(results: dict[str, Any]) -> str:
         rel = results["distribution_vs_default"][name]
         rel = num(rel, "{:.3f}") if isinstance(rel, float) else ""
         lines.append(f"{name:<22}{num(value):>12}{rel:>12}{num(cpu.get(name, '')):>14}")
-    lines.append(f"{'default (in memory)':<22}{num(results['tfpar_in_memory_tokens_per_sec']):>12}"
-                 f"{'':>12}{num(cpu.get('default_memory')):>14}")
-    lines.append(f"tfpar vs Keras in tokens per CPU-second: "
+    lines.append(f"headline pairs: Keras {num(results['keras_baseline_tokens_per_sec'])}, "
+                 f"tfpar default {num(results['tfpar_tokens_per_sec'])} tokens/s (per round: "
+                 + ", ".join(f"{x:.2f}" for x in results["tfpar_vs_keras_baseline_per_round"])
+                 + f"); in tokens per CPU-second: "
                  f"{num(results['tfpar_vs_keras_baseline_cpu'], '{:.3f}')}")
     lines.append(f"pad fraction: bucketed {results['pad_fraction_bucketed']:.4f}, plain padded_batch "
                  f"{results['pad_fraction_naive']:.4f} ({results['bucket_count']} buckets)")
