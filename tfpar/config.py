@@ -152,7 +152,7 @@ class TrainConfig:
     # Clip the aggregated gradient to this global norm (0: no clipping).
     clip_norm: float = 5.0
     # Passes over the training split.
-    epochs: int = 3
+    epochs: int = 1
     # Stop after this many optimizer steps in total (0: no limit).
     max_steps: int = 0
     # Global batch size: sentences (sentence mode) or columns (stream mode), all replicas.
