@@ -109,3 +109,20 @@ def test_config_round_trip_keeps_matmul_dtype():
     layer = FastLSTM(5, matmul_dtype="bfloat16", name="x")
     copy = FastLSTM.from_config(layer.get_config())
     assert copy.matmul_dtype == "bfloat16" and copy.units == 5
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_bf16_model_has_the_same_weights_and_close_logits(tie):
+    from tfpar.config import ModelConfig
+    from tfpar.model import build_model
+
+    cfg = ModelConfig(embed_dim=16, hidden_dim=16, layers=2, tie_embeddings=tie)
+    fp32 = build_model(cfg, 30)
+    bf16 = build_model(ModelConfig(**{**cfg.__dict__, "precision": "bf16"}), 30)
+    assert [v.path for v in bf16.weights] == [v.path for v in fp32.weights]
+    bf16.set_weights(fp32.get_weights())
+    ids = tf.constant([[2, 3, 4, 0], [5, 6, 0, 0]])
+    (a, _), (b, _) = fp32(ids), bf16(ids)
+    assert b.dtype == tf.float32
+    np.testing.assert_allclose(b.numpy(), a.numpy(), atol=2e-2)
+    assert not np.allclose(b.numpy(), a.numpy(), atol=1e-7)
