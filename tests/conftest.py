@@ -48,3 +48,16 @@ def tiny_args(tiny_corpus_dir, tmp_path):
         "--model-dir", str(tmp_path / "run"), "--export-dir", str(tmp_path / "export"),
         "--metrics-json", str(tmp_path / "metrics.json"),
     ]
+
+
+def batch_of(rows):
+    """Rows of target ids (0 = padding) → a batch whose inputs are the targets shifted."""
+    import numpy as np
+    import tensorflow as tf
+
+    from tfpar.vocab import PAD_ID
+
+    t = np.array(rows, np.int32)
+    inputs = np.concatenate([np.full((len(t), 1), 2, np.int32), t[:, :-1]], axis=1)
+    inputs[t == PAD_ID] = PAD_ID
+    return {"inputs": tf.constant(inputs), "targets": tf.constant(t)}

@@ -10,6 +10,7 @@ import sys
 import keras
 import numpy as np
 import pytest
+from conftest import batch_of
 import tensorflow as tf
 
 from tfpar import cli
@@ -115,14 +116,6 @@ def fresh(plugin_or_dist, clip=CLIP):
         optimizer = keras.optimizers.SGD(0.5)
         optimizer.build(model.trainable_variables)
     return plugin, model, plugin.make_train_step(model, optimizer, clip_norm=clip)
-
-
-def batch_of(rows):
-    """Rows of target ids (0 = padding) → a batch whose inputs are the targets shifted."""
-    t = np.array(rows, np.int32)
-    inputs = np.concatenate([np.full((len(t), 1), 2, np.int32), t[:, :-1]], axis=1)
-    inputs[t == PAD_ID] = PAD_ID
-    return {"inputs": tf.constant(inputs), "targets": tf.constant(t)}
 
 
 @pytest.mark.parametrize("name,rows,towers", [
