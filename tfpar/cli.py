@@ -111,7 +111,7 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
                    help="global eval batch (0: --batch-size)")
     g.add_argument("--seed", type=int, default=0, help="seed for weights, shuffling, dropout")
     g.add_argument("--deterministic", action="store_true",
-                   help="deterministic TF kernels (slower; exact resumes)")
+                   help="deterministic TF kernels for the whole process (slower; exact resumes)")
     g.add_argument("--on-nan", default="stop", help="stop | skip a non-finite step")
 
 
