@@ -17,10 +17,11 @@ masking, states and config) with only the inner loop replaced:
    ``dW = X^T dZ`` (autodiff through step 1).
 
 With the PTB "small" sizes (batch 20, 35 steps, 200 units, 2 layers) forward + backward
-of the stack takes 41 ms of CPU on one thread instead of Keras' 75 ms, close to the
-matmul FLOP bound. Compiling the two loops with XLA (``jit_compile``) was measured too and
-gained nothing (40 ms) while costing a compilation per sequence shape, so they are plain
-``tf.while_loop``s. Anything the fast path does not cover (recurrent dropout, other
+of the stack takes 42 ms instead of Keras' 75 ms. Most of what is left is TF's per-op
+overhead inside the loops (~14 small ops per time step), so when a step is traced with a
+fixed shape (stream mode) the loops are XLA-compiled (:mod:`tfpar.xla`): 33 ms, one
+compilation; with varying shapes (sentence buckets) they stay plain ``tf.while_loop``s,
+never compiled per bucket. Anything the fast path does not cover (recurrent dropout, other
 activations, ``go_backwards``, ``unroll``, no bias, GRU ``reset_after=False``) falls back
 to Keras' own loop, so the layers are drop-in replacements.
 
@@ -36,6 +37,8 @@ from __future__ import annotations
 
 import keras
 import tensorflow as tf
+
+from tfpar.xla import when_shapes_fixed
 
 # ----------------------------------------------------------------------------- helpers
 def _time_major_mask(mask, dtype) -> tf.Tensor | None:
@@ -82,11 +85,18 @@ def _weight_grad(prev, dz, matmul_dtype):
     return tf.matmul(a, b, transpose_a=True)
 
 
-def _array(n, dtype):
-    return tf.TensorArray(dtype, size=n, element_shape=None)
+def _steps(x):
+    """The number of time steps of time-major ``x``: a Python int when the shape is known
+    (so stacked results keep a static shape), else a tensor."""
+    return x.shape[0] if x.shape[0] is not None else tf.shape(x)[0]
+
+
+def _array(n, dtype, element_shape):
+    return tf.TensorArray(dtype, size=n, element_shape=tf.TensorShape(element_shape))
 
 
 # ----------------------------------------------------------------------------- LSTM
+@when_shapes_fixed
 def _lstm_forward(xw, h0, c0, m, u):
     """The LSTM recurrence over precomputed input projections.
 
@@ -100,7 +110,7 @@ def _lstm_forward(xw, h0, c0, m, u):
       ``(hs, cs, acts)``: carried h and c per step, [T, B, H] each, and the activated
       gates [T, B, 4H] (kept for the backward pass).
     """
-    n = tf.shape(xw)[0]
+    n = _steps(xw)
     units = tf.shape(h0)[1]
 
     def body(t, h, c, hs, cs, acts):
@@ -118,11 +128,13 @@ def _lstm_forward(xw, h0, c0, m, u):
 
     _, _, _, hs, cs, acts = tf.while_loop(
         lambda t, *_: t < n, body,
-        (0, h0, c0, _array(n, xw.dtype), _array(n, xw.dtype), _array(n, xw.dtype)),
+        (0, h0, c0, _array(n, xw.dtype, h0.shape), _array(n, xw.dtype, h0.shape),
+         _array(n, xw.dtype, xw.shape[1:])),
     )
     return hs.stack(), cs.stack(), acts.stack()
 
 
+@when_shapes_fixed
 def _lstm_backward(dhs, dc_last, cs, c0, acts, m, u):
     """Back-propagation through the LSTM recurrence.
 
@@ -135,7 +147,7 @@ def _lstm_backward(dhs, dc_last, cs, c0, acts, m, u):
       ``(dz, dh0, dc0)``: the gate pre-activation gradients [T, B, 4H] (= the gradient of
       ``xw``) and the gradients of the initial state.
     """
-    n = tf.shape(dhs)[0]
+    n = _steps(dhs)
     units = tf.shape(c0)[1]
     ut = tf.transpose(u)
     cs_prev = tf.concat([c0[None], cs[:-1]], axis=0)
@@ -168,7 +180,7 @@ def _lstm_backward(dhs, dc_last, cs, c0, acts, m, u):
 
     _, dh0, dc0, dz = tf.while_loop(
         lambda t, *_: t >= 0, body,
-        (n - 1, tf.zeros_like(c0), dc_last, _array(n, dhs.dtype)),
+        (n - 1, tf.zeros_like(c0), dc_last, _array(n, dhs.dtype, acts.shape[1:])),
     )
     return dz.stack(), dh0, dc0
 
@@ -205,6 +217,7 @@ def lstm_sequence(x, h0, c0, mask, kernel, recurrent_kernel, bias, *, matmul_dty
 
 
 # ----------------------------------------------------------------------------- GRU
+@when_shapes_fixed
 def _gru_forward(xw, h0, m, u, b_rec):
     """The GRU recurrence (``reset_after=True``, Keras gate order z, r, h).
 
@@ -217,8 +230,9 @@ def _gru_forward(xw, h0, m, u, b_rec):
       ``(hs, saved)``: the carried h [T, B, H] and, per step, [z, r, hh, rec_h] [T, B, 4H]
       for the backward pass.
     """
-    n = tf.shape(xw)[0]
+    n = _steps(xw)
     units = tf.shape(h0)[1]
+    saved_shape = [h0.shape[0], None if h0.shape[1] is None else 4 * h0.shape[1]]
 
     def body(t, h, hs, saved):
         x = xw[t]
@@ -233,10 +247,12 @@ def _gru_forward(xw, h0, m, u, b_rec):
         return t + 1, h_new, hs.write(t, h_new), saved.write(t, tf.concat([zr, hh, rec_h], 1))
 
     _, _, hs, saved = tf.while_loop(
-        lambda t, *_: t < n, body, (0, h0, _array(n, xw.dtype), _array(n, xw.dtype)))
+        lambda t, *_: t < n, body,
+        (0, h0, _array(n, xw.dtype, h0.shape), _array(n, xw.dtype, saved_shape)))
     return hs.stack(), saved.stack()
 
 
+@when_shapes_fixed
 def _gru_backward(dhs, hs, h0, saved, m, u):
     """Back-propagation through the GRU recurrence.
 
@@ -244,8 +260,9 @@ def _gru_backward(dhs, hs, h0, saved, m, u):
       ``(dxw, drec, dh0)``: gradients of the input projections [T, B, 3H], of the
       recurrent pre-activations ``h @ U + b_rec`` [T, B, 3H], and of ``h0``.
     """
-    n = tf.shape(dhs)[0]
+    n = _steps(dhs)
     units = tf.shape(h0)[1]
+    gates = [dhs.shape[1], u.shape[1]]
     ut = tf.transpose(u)
     hs_prev = tf.concat([h0[None], hs[:-1]], axis=0)
 
@@ -268,7 +285,7 @@ def _gru_backward(dhs, hs, h0, saved, m, u):
 
     _, dh0, dx, drec = tf.while_loop(
         lambda t, *_: t >= 0, body,
-        (n - 1, tf.zeros_like(h0), _array(n, dhs.dtype), _array(n, dhs.dtype)),
+        (n - 1, tf.zeros_like(h0), _array(n, dhs.dtype, gates), _array(n, dhs.dtype, gates)),
     )
     return dx.stack(), drec.stack(), dh0
 

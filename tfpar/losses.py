@@ -12,6 +12,7 @@ import math
 import tensorflow as tf
 
 from tfpar.vocab import PAD_ID
+from tfpar.xla import when_shapes_fixed
 
 
 def token_mask(targets: tf.Tensor) -> tf.Tensor:
@@ -34,22 +35,15 @@ def nll_sum_and_count(logits: tf.Tensor, targets: tf.Tensor) -> tuple[tf.Tensor,
     Returns:
       ``(nll_sum, count)``, float32 scalars. A batch with no real tokens gives ``(0, 0)``.
     """
-    # Fused log-softmax + cross-entropy: never materialises the [B, T, V] probabilities.
-    labels, logits = tf.cast(targets, tf.int32), tf.cast(logits, tf.float32)
-    if logits.shape.is_fully_defined() and not tf.executing_eagerly():
-        # A traced step with a fixed shape (stream mode's windows; the first trace of a
-        # step): XLA's fused kernel is ~3x faster on CPU than TF's and compiles once.
-        # Shapes that vary (sentence buckets) are traced generically and skip it, so XLA
-        # never compiles per bucket.
-        nll = _xla_cross_entropy(labels, logits)
-    else:
-        nll = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+    # Fused log-softmax + cross-entropy: never materialises the [B, T, V] probabilities;
+    # XLA-compiled for fixed shapes (~3x faster on CPU than TF's kernel).
+    nll = _cross_entropy(tf.cast(targets, tf.int32), tf.cast(logits, tf.float32))
     mask = token_mask(targets)
     return tf.reduce_sum(nll * mask), tf.reduce_sum(mask)
 
 
-@tf.function(jit_compile=True)
-def _xla_cross_entropy(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
+@when_shapes_fixed
+def _cross_entropy(labels: tf.Tensor, logits: tf.Tensor) -> tf.Tensor:
     return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
 
 
