@@ -156,6 +156,11 @@ def test_tiny_run_writes_every_key(tiny_run):
         assert isinstance(value, float) or value == benchmark.NOT_AVAILABLE \
             or value.startswith("failed:"), (name, value)
     assert isinstance(results["distribution_tokens_per_sec"]["mirrored1"], float)
+    # The two-device contenders ran in their own process, and mirrored is the headline.
+    assert isinstance(results["distribution_tokens_per_sec"]["mirrored2"], float)
+    assert results["tfpar_strategy"] == "mirrored"
+    assert results["tfpar_vs_keras_baseline"] == results["tfpar_mirrored_vs_keras_baseline"]
+    assert results["tfpar_default_vs_keras_baseline"] > 0
 
 
 def test_tiny_run_prints_a_verdict_per_target_and_check_sets_the_exit_code(tiny_run):

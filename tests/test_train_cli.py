@@ -97,6 +97,7 @@ def cli_error(argv, capsys):
     (["--batch-size", "0"], "error: batch-size must be > 0, got 0"),
     (["--hidden-dim", "0"], "error: hidden-dim must be > 0, got 0"),
     (["--vocab-size", "3"], "error: vocab-size 3 is too small"),
+    (["--intra-op-threads", "-1"], "error: intra-op-threads must be >= 0, got -1"),
     (["--tie-embeddings"], "error: --tie-embeddings needs embed-dim == hidden-dim, got 16 and 32"),
 ])
 def test_one_line_errors(extra, message, tiny_args, capsys, tmp_path):
@@ -149,5 +150,5 @@ def test_help_documents_every_flag():
     assert proc.returncode == 0
     for flag in ("--strategy", "--all-reduce", "--cpu-devices", "--data", "--mode", "--bptt",
                  "--tie-embeddings", "--clip-norm", "--model-dir", "--export-dir", "--no-export",
-                 "--metrics-json", "--batch-size"):
+                 "--metrics-json", "--batch-size", "--intra-op-threads"):
         assert flag in proc.stdout

@@ -93,7 +93,7 @@ class BenchSpec:
 
 def quick_spec(**overrides) -> BenchSpec:
     """``--quick``: enough rounds for stable medians, a few minutes on 2 cores."""
-    return BenchSpec(**{"rounds": 3, "steps": 25, **overrides})
+    return BenchSpec(**{"rounds": 3, "steps": 20, **overrides})
 
 
 def tiny_spec(**overrides) -> BenchSpec:
@@ -335,6 +335,11 @@ def keras_baseline(setup: Setup) -> KerasContender:
     return KerasContender(setup.spec, len(setup.vocab), x, y)
 
 
+# Contenders on two logical CPU devices: they run in a process of their own, set up the way
+# scripts/train.py sets up such a run (its intra-op thread share; tfpar.devices).
+TWO_DEVICE = ("mirrored2", "tower2", "pipeline2")
+
+
 def distribution_configs() -> dict[str, Any]:
     """name -> DistConfig, or NOT_AVAILABLE when the strategy is not registered."""
     from tfpar.config import DistConfig
@@ -349,6 +354,97 @@ def distribution_configs() -> dict[str, Any]:
         "pipeline2": DistConfig(strategy="pipeline", cpu_devices=2),
     }
     return {k: (v if v.strategy in STRATEGIES else NOT_AVAILABLE) for k, v in wanted.items()}
+
+
+def build_available(setup: Setup, names: Sequence[str], warmup: int
+                    ) -> tuple[dict[str, TfparContender], dict[str, str]]:
+    """Builds and warms up the named tfpar contenders; a strategy that fails is reported
+    (name -> "failed: ..." or NOT_AVAILABLE) instead of sinking the rest."""
+    built, failed = {}, {}
+    configs = distribution_configs()
+    for name in names:
+        dist = configs[name]
+        if dist == NOT_AVAILABLE:
+            failed[name] = NOT_AVAILABLE
+            continue
+        try:
+            contender, _ = build_tfpar(setup, name, dist)
+            contender.warm_up(warmup)  # traces: a broken strategy fails here
+        except Exception as e:  # a strategy under construction must not sink the rest
+            log.warning("%s failed: %s", name, e)
+            failed[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            continue
+        built[name] = contender
+    return built, failed
+
+
+class RemoteContender(Contender):
+    """A contender that lives in a child process (its own TF runtime: logical devices and
+    thread pools); ``segment`` asks it to train and waits, so timings stay interleaved
+    with the parent's contenders."""
+
+    def __init__(self, name: str, server: "ContenderServer"):
+        self.name, self.server = name, server
+
+    def segment(self, steps: int) -> Segment:
+        return Segment(**self.server.ask({"name": self.name, "steps": steps}))
+
+
+class ContenderServer:
+    """``python -m tfpar.benchmark --serve``: a child process hosting some contenders."""
+
+    def __init__(self, spec: BenchSpec, names: Sequence[str]):
+        import subprocess
+
+        request = json.dumps({"spec": dataclasses.asdict(spec), "names": list(names)})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tfpar.benchmark", "--serve", request],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+        ready = self._read()
+        self.status: dict[str, str] = ready["status"]  # name -> "ok" | "failed: ..."
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"benchmark child process exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def ask(self, request: dict) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def contenders(self) -> dict[str, RemoteContender]:
+        return {n: RemoteContender(n, self) for n, s in self.status.items() if s == "ok"}
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+def serve(request: str) -> int:
+    """The child side of :class:`ContenderServer`: sets up its runtime as
+    ``scripts/train.py`` would for two logical CPU devices, builds the contenders, then
+    answers ``{"name", "steps"}`` requests with a Segment, one JSON line each."""
+    from tfpar import devices
+    from tfpar.config import DistConfig
+
+    out = os.fdopen(os.dup(1), "w")  # the protocol's channel; anything else printed -> stderr
+    os.dup2(2, 1)
+    req = json.loads(request)
+    spec = BenchSpec(**req["spec"])
+    devices.configure_threads(devices.intra_op_threads(DistConfig(strategy="mirrored"), 2))
+    devices.configure_cpu_devices(2)
+    built, failed = build_available(load_setup(spec), req["names"], spec.warmup)
+    out.write(json.dumps({"status": {**failed, **{n: "ok" for n in built}}}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        ask = json.loads(line)
+        out.write(json.dumps(dataclasses.asdict(built[ask["name"]].segment(ask["steps"])))
+                  + "\n")
+        out.flush()
+    return 0
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -435,34 +531,37 @@ def run(spec: BenchSpec) -> dict[str, Any]:
     results.update(padding(setup))
 
     keras_contender = keras_baseline(setup)
-    contenders: list[Contender] = [keras_contender]
-    tfpar: dict[str, TfparContender] = {}
-    distribution: dict[str, Any] = {}
-    for name, dist in distribution_configs().items():
-        if dist == NOT_AVAILABLE:
-            distribution[name] = NOT_AVAILABLE
-            continue
-        try:
-            contender, _ = build_tfpar(setup, name, dist)
-            contender.warm_up(spec.warmup)  # traces: a broken strategy fails here
-        except Exception as e:  # a strategy under construction must not sink the rest
-            log.warning("%s failed: %s", name, e)
-            distribution[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            continue
-        contenders.append(contender)
-        tfpar[name] = contender
+    local_names = [n for n in distribution_configs() if n not in TWO_DEVICE]
+    tfpar, distribution = build_available(setup, local_names, spec.warmup)
     if "default" not in tfpar:
         raise RuntimeError(f"tfpar's default strategy failed: {distribution['default']}")
+    server = ContenderServer(spec, TWO_DEVICE)
+    try:
+        return _measure(spec, setup, results, keras_contender, tfpar, distribution, server,
+                        started, load_before)
+    finally:
+        server.close()
+
+
+def _measure(spec, setup, results, keras_contender, tfpar, distribution, server, started,
+             load_before) -> dict[str, Any]:
+    distribution.update({n: s for n, s in server.status.items() if s != "ok"})
+    remote = server.contenders()
+    contenders: list[Contender] = [keras_contender, *tfpar.values(), *remote.values()]
     default = tfpar["default"]
     memory = in_memory_twin(default, spec.steps)
-    # Warm every contender again once all exist: building a strategy drops compiled
+    # Warm every local contender again once all exist: building a strategy drops compiled
     # (XLA) kernels of the ones built before it.
     for contender in contenders:
         contender.warm_up(spec.warmup)
 
     # The headline figures, each from back-to-back pairs (a busy host's load drifts):
-    # Keras against tfpar in whole segments (fit runs a segment at a time) ...
-    keras_rates, tfpar_rates = paired_segment_rates(keras_contender, default, spec)
+    # Keras against tfpar in whole segments (fit runs a segment at a time), tfpar as
+    # `scripts/train.py --strategy mirrored` runs on this host and with no strategy ...
+    pairs_by = {"default": paired_segment_rates(keras_contender, default, spec)}
+    if "mirrored2" in remote:
+        pairs_by["mirrored"] = paired_segment_rates(keras_contender, remote["mirrored2"], spec)
+    headline = "mirrored" if "mirrored" in pairs_by else "default"
     # ... and the input stall and the one-replica mirrored cost step by step.
     pairs = spec.rounds * spec.steps
     memory_over_tfdata = paired_step_ratios(memory, default, pairs)
@@ -474,15 +573,23 @@ def run(spec: BenchSpec) -> dict[str, Any]:
     rate = {n: m["tokens_per_sec"] for n, m in measured.items()}
     for name in distribution_configs():
         distribution.setdefault(name, rate.get(name))
-    keras_rate, default_rate = float(np.median(keras_rates)), float(np.median(tfpar_rates))
+    for name, (keras_rates, tfpar_rates) in pairs_by.items():
+        per_round = [t / k for t, k in zip(tfpar_rates, keras_rates)]
+        results.update({
+            f"tfpar_{name}_tokens_per_sec": float(np.median(tfpar_rates)),
+            f"tfpar_{name}_vs_keras_baseline": float(np.median(per_round)),
+            f"tfpar_{name}_vs_keras_baseline_per_round": per_round,
+        })
+    default_rate = results["tfpar_default_tokens_per_sec"]
     results.update({
-        "keras_baseline_tokens_per_sec": keras_rate,
-        "tfpar_tokens_per_sec": default_rate,
-        "tfpar_mirrored_tokens_per_sec": rate.get("mirrored2"),
-        "tfpar_vs_keras_baseline": float(np.median(
-            [t / k for t, k in zip(tfpar_rates, keras_rates)])),
-        "tfpar_vs_keras_baseline_per_round": [t / k for t, k in zip(tfpar_rates, keras_rates)],
-        "tfpar_mirrored_vs_keras_baseline": ratio(rate.get("mirrored2"), rate["keras_baseline"]),
+        "keras_baseline_tokens_per_sec": float(np.median(pairs_by[headline][0])),
+        # The headline: tfpar as its quick start runs it (mirrored over the host's logical
+        # CPU devices), or with no strategy when mirrored is not available.
+        "tfpar_strategy": headline,
+        "tfpar_tokens_per_sec": results[f"tfpar_{headline}_tokens_per_sec"],
+        "tfpar_vs_keras_baseline": results[f"tfpar_{headline}_vs_keras_baseline"],
+        "tfpar_vs_keras_baseline_per_round":
+            results[f"tfpar_{headline}_vs_keras_baseline_per_round"],
         # 1 - t_memory / t_tfdata, from the median of step-by-step pairs.
         "input_stall_fraction": stall_fraction(float(np.median(memory_over_tfdata)), 1.0),
         "tfpar_in_memory_tokens_per_sec": default_rate * float(np.median(
@@ -498,7 +605,7 @@ def run(spec: BenchSpec) -> dict[str, Any]:
         # depends on what else runs, this ratio is the steadier one.
         "tokens_per_cpu_sec": {n: m["tokens_per_cpu_sec"] for n, m in measured.items()},
         "tfpar_vs_keras_baseline_cpu": ratio(
-            measured["default"]["tokens_per_cpu_sec"],
+            measured["mirrored2" if headline == "mirrored" else "default"]["tokens_per_cpu_sec"],
             measured["keras_baseline"]["tokens_per_cpu_sec"]),
         "load_average_before": load_before[0], "load_average_after": os.getloadavg()[0],
         "seconds": time.time() - started,
@@ -532,10 +639,17 @@ def format_report(results: dict[str, Any]) -> str:
         rel = results["distribution_vs_default"][name]
         rel = num(rel, "{:.3f}") if isinstance(rel, float) else ""
         lines.append(f"{name:<22}{num(value):>12}{rel:>12}{num(cpu.get(name, '')):>14}")
-    lines.append(f"headline pairs: Keras {num(results['keras_baseline_tokens_per_sec'])}, "
-                 f"tfpar default {num(results['tfpar_tokens_per_sec'])} tokens/s (per round: "
-                 + ", ".join(f"{x:.2f}" for x in results["tfpar_vs_keras_baseline_per_round"])
-                 + f"); in tokens per CPU-second: "
+    for name in ("mirrored", "default"):
+        if f"tfpar_{name}_tokens_per_sec" not in results:
+            continue
+        lines.append(
+            f"{'headline' if name == results['tfpar_strategy'] else 'also'}: tfpar {name} "
+            f"{num(results[f'tfpar_{name}_tokens_per_sec'])} tokens/s = "
+            f"{results[f'tfpar_{name}_vs_keras_baseline']:.3f} x Keras (per round: "
+            + ", ".join(f"{x:.2f}" for x in results[f"tfpar_{name}_vs_keras_baseline_per_round"])
+            + ")")
+    lines.append(f"Keras baseline {num(results['keras_baseline_tokens_per_sec'])} tokens/s; "
+                 f"headline ratio in tokens per CPU-second: "
                  f"{num(results['tfpar_vs_keras_baseline_cpu'], '{:.3f}')}")
     lines.append(f"pad fraction: bucketed {results['pad_fraction_bucketed']:.4f}, plain padded_batch "
                  f"{results['pad_fraction_naive']:.4f} ({results['bucket_count']} buckets)")
@@ -623,6 +737,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default="", help="write a PNG chart here (needs matplotlib)")
     p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     p.add_argument("-v", "--verbose", action="store_true", help="TensorFlow's own logs too")
+    p.add_argument("--serve", default="", help=argparse.SUPPRESS)  # child process (internal)
     return p
 
 
@@ -645,12 +760,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parser().parse_args(argv)
     setup_logging(args.verbose)
+    if args.serve:
+        return serve(args.serve)
 
     def body():
         spec = spec_from_args(args)
         from tfpar import devices
 
-        devices.configure_cpu_devices(2)  # mirrored / tower / pipeline on 2 logical CPUs
+        devices.configure_cpu_devices(1)  # the 2-device contenders run in a child process
         results = run(spec)
         print(format_report(results))
         if args.json:

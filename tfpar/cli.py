@@ -47,6 +47,10 @@ def add_distribution_flags(p: argparse.ArgumentParser) -> None:
                    help="log the device every op runs on (TensorFlow's placement log)")
     g.add_argument("--soft-placement", action="store_true",
                    help="let ops with no kernel on the requested device run elsewhere")
+    g.add_argument("--intra-op-threads", type=int, default=0,
+                   help="threads one op may use (default 0: with N logical CPU devices "
+                        "working at once, the host's cores / N, so replicas or stages run "
+                        "side by side instead of sharing every core; else TF's default)")
 
 
 def add_data_flags(p: argparse.ArgumentParser) -> None:
@@ -190,6 +194,7 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
         dist=cfg.DistConfig(
             strategy=a.strategy, devices=parse_device_list(a.devices),
             cpu_devices=a.cpu_devices, all_reduce=a.all_reduce,
+            intra_op_threads=a.intra_op_threads,
             variable_device=a.variable_device, tower_reduce=a.tower_reduce,
             communication=a.communication, stages=a.stages, micro_batches=a.micro_batches,
             log_device_placement=a.log_device_placement, soft_placement=a.soft_placement,
@@ -250,7 +255,11 @@ def prepare_runtime(dist: cfg.DistConfig) -> None:
     # Cluster strategies configure TF's collective/gRPC runtime, which must happen before
     # it initialises (listing devices would); they use one CPU device per task.
     if dist.strategy not in CLUSTER_STRATEGIES:
-        devices.configure_cpu_devices(cpu_devices_needed(dist))
+        count = cpu_devices_needed(dist)
+        # Thread pools too are fixed when the runtime initialises: before the devices.
+        devices.configure_threads(devices.intra_op_threads(dist, count),
+                                  requested=bool(dist.intra_op_threads))
+        devices.configure_cpu_devices(count)
 
 
 def run_main(body: Callable[[], int | None]) -> int:

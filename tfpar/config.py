@@ -213,12 +213,16 @@ class DistConfig:
     log_device_placement: bool = False
     # Let ops without a kernel on the requested device fall back to another device.
     soft_placement: bool = False
+    # Threads one op may use (TF's intra-op pool); 0: automatic (see
+    # tfpar.devices.intra_op_threads).
+    intra_op_threads: int = 0
 
     def __post_init__(self) -> None:
         _choice("all-reduce", self.all_reduce, ALL_REDUCE)
         _choice("tower-reduce", self.tower_reduce, TOWER_REDUCE)
         _choice("communication", self.communication, COMMUNICATION)
         _non_negative("cpu-devices", self.cpu_devices)
+        _non_negative("intra-op-threads", self.intra_op_threads)
         _positive("micro-batches", self.micro_batches)
         object.__setattr__(self, "devices", tuple(self.devices))
 

@@ -11,6 +11,7 @@ This must happen before TensorFlow initialises its devices, so scripts call
 from __future__ import annotations
 
 import logging
+import os
 import re
 
 import tensorflow as tf
@@ -105,6 +106,47 @@ def default_devices(count: int) -> list[str]:
             f"CPU devices; pass --cpu-devices {count}"
         )
     return [f"/device:CPU:{i}" for i in range(count)]
+
+
+def host_cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def intra_op_threads(dist, cpu_devices: int) -> int:
+    """Threads one op may use for this run; 0 leaves TensorFlow's default (every core).
+
+    ``dist.intra_op_threads`` when set. Otherwise, when a multi-device strategy (mirrored,
+    tower, pipeline) runs on ``cpu_devices`` >= 2 logical CPU devices, the host's cores
+    divided among them: logical devices share TF's one thread pool, so with the default
+    each replica's large matmuls take every core and the replicas (or pipeline stages)
+    queue behind each other, where with a share each they run side by side, overlapping
+    one replica's sequential recurrence with another's matmuls.
+    """
+    if dist.intra_op_threads:
+        return dist.intra_op_threads
+    if dist.strategy in ("mirrored", "tower", "pipeline") and cpu_devices >= 2 \
+            and num_gpus() == 0:
+        return max(1, host_cores() // cpu_devices)
+    return 0
+
+
+def configure_threads(intra_op: int, *, requested: bool = True) -> None:
+    """Sets TF's intra-op pool size (0: TF's default). Must run before TF initialises;
+    afterwards the pools are fixed and a different size is ignored, with a warning when
+    the user ``requested`` it (``--intra-op-threads``)."""
+    if not intra_op or tf.config.threading.get_intra_op_parallelism_threads() == intra_op:
+        return
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(intra_op)
+        log.info("intra-op threads: %d (%d cores)", intra_op, host_cores())
+    except RuntimeError:
+        (log.warning if requested else log.debug)(
+            "intra-op threads stay at TensorFlow's setting: it was already initialised "
+            "when %d was asked for", intra_op)
 
 
 def set_placement_options(*, log_placement: bool, soft_placement: bool) -> None:
