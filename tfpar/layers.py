@@ -348,7 +348,35 @@ def _dropped(layer, sequences, training):
     return sequences * mask[:, None, :]
 
 
-class FastLSTM(keras.layers.LSTM):
+class _FastRecurrence:
+    """What FastLSTM and FastGRU share: the ``matmul_dtype`` option, and an ``inner_loop``
+    that takes the fast recurrence (``_fast``) when the layer's math is the default one
+    and Keras' own loop otherwise."""
+
+    def __init__(self, units, *, matmul_dtype: str | None = None, **kwargs):
+        super().__init__(units, **kwargs)
+        self.matmul_dtype = matmul_dtype
+
+    def _covered(self) -> bool:
+        return _default_math(self)
+
+    def inner_loop(self, sequences, initial_state, mask, training=False):
+        if isinstance(mask, (list, tuple)):
+            mask = mask[0]
+        if not self._covered():
+            return super().inner_loop(sequences, initial_state, mask, training=training)
+        if not isinstance(initial_state, (list, tuple)):
+            initial_state = [initial_state]
+        cell = self.cell
+        return self._fast(_dropped(self, sequences, training), list(initial_state), mask,
+                          _value(cell.kernel), _value(cell.recurrent_kernel),
+                          _value(cell.bias))
+
+    def get_config(self):
+        return {**super().get_config(), "matmul_dtype": self.matmul_dtype}
+
+
+class FastLSTM(_FastRecurrence, keras.layers.LSTM):
     """``keras.layers.LSTM`` with the recurrence of :func:`lstm_sequence`.
 
     Args:
@@ -356,28 +384,13 @@ class FastLSTM(keras.layers.LSTM):
       Everything else: as ``keras.layers.LSTM``.
     """
 
-    def __init__(self, units, *, matmul_dtype: str | None = None, **kwargs):
-        super().__init__(units, **kwargs)
-        self.matmul_dtype = matmul_dtype
-
-    def inner_loop(self, sequences, initial_state, mask, training=False):
-        if isinstance(mask, (list, tuple)):
-            mask = mask[0]
-        if not _default_math(self):
-            return super().inner_loop(sequences, initial_state, mask, training=training)
-        cell = self.cell
-        outputs, h, c = lstm_sequence(
-            _dropped(self, sequences, training), initial_state[0], initial_state[1], mask,
-            _value(cell.kernel), _value(cell.recurrent_kernel), _value(cell.bias),
-            matmul_dtype=self.matmul_dtype,
-        )
+    def _fast(self, x, state, mask, kernel, recurrent_kernel, bias):
+        outputs, h, c = lstm_sequence(x, state[0], state[1], mask, kernel, recurrent_kernel,
+                                      bias, matmul_dtype=self.matmul_dtype)
         return h, outputs, [h, c]
 
-    def get_config(self):
-        return {**super().get_config(), "matmul_dtype": self.matmul_dtype}
 
-
-class FastGRU(keras.layers.GRU):
+class FastGRU(_FastRecurrence, keras.layers.GRU):
     """``keras.layers.GRU`` with the recurrence of :func:`gru_sequence`.
 
     Args:
@@ -385,23 +398,10 @@ class FastGRU(keras.layers.GRU):
       Everything else: as ``keras.layers.GRU``.
     """
 
-    def __init__(self, units, *, matmul_dtype: str | None = None, **kwargs):
-        super().__init__(units, **kwargs)
-        self.matmul_dtype = matmul_dtype
+    def _covered(self) -> bool:
+        return _default_math(self) and self.cell.reset_after
 
-    def inner_loop(self, sequences, initial_state, mask, training=False):
-        if isinstance(mask, (list, tuple)):
-            mask = mask[0]
-        if not (_default_math(self) and self.cell.reset_after):
-            return super().inner_loop(sequences, initial_state, mask, training=training)
-        h0 = initial_state[0] if isinstance(initial_state, (list, tuple)) else initial_state
-        cell = self.cell
-        outputs, h = gru_sequence(
-            _dropped(self, sequences, training), h0, mask,
-            _value(cell.kernel), _value(cell.recurrent_kernel), _value(cell.bias),
-            matmul_dtype=self.matmul_dtype,
-        )
+    def _fast(self, x, state, mask, kernel, recurrent_kernel, bias):
+        outputs, h = gru_sequence(x, state[0], mask, kernel, recurrent_kernel, bias,
+                                  matmul_dtype=self.matmul_dtype)
         return h, outputs, [h]
-
-    def get_config(self):
-        return {**super().get_config(), "matmul_dtype": self.matmul_dtype}
