@@ -31,7 +31,8 @@ def _load_script():
 main = _load_script().main
 
 KEYS = ("tfpar_tokens_per_sec", "keras_baseline_tokens_per_sec", "tfpar_vs_keras_baseline",
-        "input_stall_fraction", "pad_fraction_bucketed", "pad_fraction_naive",
+        "input_stall_fraction", "input_stall_fraction_ab", "pad_fraction_bucketed",
+        "pad_fraction_naive",
         "mirrored1_vs_default")
 
 
@@ -39,6 +40,14 @@ def test_pad_fraction():
     assert pad_fraction(90, 100) == pytest.approx(0.1)
     assert pad_fraction(100, 100) == 0.0
     assert pad_fraction(0, 0) == 0.0
+
+
+def test_input_wait_fraction_is_the_extra_fetch_time_share_of_tfdata_steps():
+    Seg = benchmark.Segment
+    pairs = [(Seg(1, 0.098, 0.1, 0.001), Seg(1, 0.1, 0.1, 0.003))] * 4
+    assert benchmark.input_wait_fraction(pairs) == pytest.approx(0.02)
+    faster = [(Seg(1, 0.1, 0.1, 0.004), Seg(1, 0.1, 0.1, 0.001))]
+    assert benchmark.input_wait_fraction(faster) == 0.0
 
 
 def test_stall_fraction_is_the_extra_time_share_clipped_at_zero():

@@ -154,6 +154,7 @@ class Segment:
     tokens: float  # real target tokens trained on
     seconds: float  # wall time
     cpu_seconds: float  # CPU time of the whole process (every thread) in that wall time
+    wait_seconds: float = 0.0  # of `seconds`, the time spent getting the batches
 
 
 class Contender:
@@ -197,17 +198,19 @@ class TfparContender(Contender):
         """One training step, including the wait for its batch."""
         start, cpu = time.perf_counter(), time.process_time()
         batch = self._batch()
+        fetched = time.perf_counter()
         out = self.train_step(batch, self.state) if self.stream else self.train_step(batch)
         self.state = out.state if self.stream else None
         # The training loop reads these after every step too (a sync point).
         tokens = float(out.count)
         float(out.nll_sum), float(out.grad_norm)
-        return Segment(tokens, time.perf_counter() - start, time.process_time() - cpu)
+        return Segment(tokens, time.perf_counter() - start, time.process_time() - cpu,
+                       fetched - start)
 
     def segment(self, steps: int) -> Segment:
         parts = [self.step() for _ in range(steps)]
-        return Segment(sum(p.tokens for p in parts), sum(p.seconds for p in parts),
-                       sum(p.cpu_seconds for p in parts))
+        return Segment(*(sum(getattr(p, f.name) for p in parts)
+                         for f in dataclasses.fields(Segment)))
 
 
 class KerasContender(Contender):
@@ -471,17 +474,31 @@ def interleave(contenders: list[Contender], spec: BenchSpec) -> dict[str, dict[s
     } for n, segs in segments.items()}
 
 
-def paired_step_ratios(a: TfparContender, b: TfparContender, pairs: int) -> list[float]:
-    """``a``'s step time over ``b``'s, for ``pairs`` pairs of back-to-back steps (the
-    order alternates): the finest A/B pairing, so a change of load hits both sides."""
-    ratios = []
+def paired_steps(a: TfparContender, b: TfparContender, pairs: int
+                 ) -> list[tuple[Segment, Segment]]:
+    """``pairs`` pairs of back-to-back steps of ``a`` and ``b`` (the order alternates): the
+    finest A/B pairing, so a change of load hits both sides."""
+    out = []
     for i in range(pairs):
         if i % 2:
             tb, ta = b.step(), a.step()
         else:
             ta, tb = a.step(), b.step()
-        ratios.append(ta.seconds / tb.seconds)
-    return ratios
+        out.append((ta, tb))
+    return out
+
+
+def paired_step_ratios(a: TfparContender, b: TfparContender, pairs: int) -> list[float]:
+    """``a``'s step time over ``b``'s, for each of :func:`paired_steps`."""
+    return [ta.seconds / tb.seconds for ta, tb in paired_steps(a, b, pairs)]
+
+
+def input_wait_fraction(pairs: list[tuple[Segment, Segment]]) -> float:
+    """Share of the tf.data-fed steps (second of each pair) spent getting their batch,
+    beyond what the in-memory steps (first) spend: what the input pipeline adds to a
+    step, timed directly rather than as the difference of two noisy step times."""
+    extra = sum(tf_step.wait_seconds - mem.wait_seconds for mem, tf_step in pairs)
+    return max(0.0, extra / sum(tf_step.seconds for _, tf_step in pairs))
 
 
 def paired_segment_rates(a: Contender, b: Contender, spec: BenchSpec
@@ -564,7 +581,8 @@ def _measure(spec, setup, results, keras_contender, tfpar, distribution, server,
     headline = "mirrored" if "mirrored" in pairs_by else "default"
     # ... and the input stall and the one-replica mirrored cost step by step.
     pairs = spec.rounds * spec.steps
-    memory_over_tfdata = paired_step_ratios(memory, default, pairs)
+    input_pairs = paired_steps(memory, default, pairs)
+    memory_over_tfdata = [m.seconds / t.seconds for m, t in input_pairs]
     default_over_mirrored1 = (paired_step_ratios(default, tfpar["mirrored1"], pairs)
                               if "mirrored1" in tfpar else None)
     # Every contender side by side, for the distribution table.
@@ -590,8 +608,13 @@ def _measure(spec, setup, results, keras_contender, tfpar, distribution, server,
         "tfpar_vs_keras_baseline": results[f"tfpar_{headline}_vs_keras_baseline"],
         "tfpar_vs_keras_baseline_per_round":
             results[f"tfpar_{headline}_vs_keras_baseline_per_round"],
-        # 1 - t_memory / t_tfdata, from the median of step-by-step pairs.
-        "input_stall_fraction": stall_fraction(float(np.median(memory_over_tfdata)), 1.0),
+        # What getting the batch from tf.data adds to a step, timed directly (the step
+        # waits in next(iterator) while the pipeline produces it) ...
+        "input_stall_fraction": input_wait_fraction(input_pairs),
+        # ... and as 1 - t_memory / t_tfdata of whole steps, the median of step-by-step
+        # pairs: the same share plus any slowdown from the pipeline's background threads,
+        # but with the host's step-time noise (a few % here) on top.
+        "input_stall_fraction_ab": stall_fraction(float(np.median(memory_over_tfdata)), 1.0),
         "tfpar_in_memory_tokens_per_sec": default_rate * float(np.median(
             [1.0 / x for x in memory_over_tfdata])),
         "mirrored1_vs_default": (float(np.median(default_over_mirrored1))
@@ -651,6 +674,9 @@ def format_report(results: dict[str, Any]) -> str:
     lines.append(f"Keras baseline {num(results['keras_baseline_tokens_per_sec'])} tokens/s; "
                  f"headline ratio in tokens per CPU-second: "
                  f"{num(results['tfpar_vs_keras_baseline_cpu'], '{:.3f}')}")
+    lines.append(f"input stall: {results['input_stall_fraction']:.4f} of a step waiting for "
+                 f"tf.data (whole-step A/B against batches in memory: "
+                 f"{results['input_stall_fraction_ab']:.4f})")
     lines.append(f"pad fraction: bucketed {results['pad_fraction_bucketed']:.4f}, plain padded_batch "
                  f"{results['pad_fraction_naive']:.4f} ({results['bucket_count']} buckets)")
     la = (results["load_average_before"], results["load_average_after"])
