@@ -254,11 +254,11 @@ def prepare_runtime(dist: cfg.DistConfig) -> None:
                                   soft_placement=dist.soft_placement)
     # Cluster strategies configure TF's collective/gRPC runtime, which must happen before
     # it initialises (listing devices would); they use one CPU device per task.
+    count = 1 if dist.strategy in CLUSTER_STRATEGIES else cpu_devices_needed(dist)
+    # Thread pools too are fixed when the runtime initialises: before the devices.
+    devices.configure_threads(devices.intra_op_threads(dist, count),
+                              requested=bool(dist.intra_op_threads))
     if dist.strategy not in CLUSTER_STRATEGIES:
-        count = cpu_devices_needed(dist)
-        # Thread pools too are fixed when the runtime initialises: before the devices.
-        devices.configure_threads(devices.intra_op_threads(dist, count),
-                                  requested=bool(dist.intra_op_threads))
         devices.configure_cpu_devices(count)
 
 
