@@ -430,15 +430,14 @@ def serve(request: str) -> int:
     """The child side of :class:`ContenderServer`: sets up its runtime as
     ``scripts/train.py`` would for two logical CPU devices, builds the contenders, then
     answers ``{"name", "steps"}`` requests with a Segment, one JSON line each."""
-    from tfpar import devices
+    from tfpar.cli import prepare_runtime
     from tfpar.config import DistConfig
 
     out = os.fdopen(os.dup(1), "w")  # the protocol's channel; anything else printed -> stderr
     os.dup2(2, 1)
     req = json.loads(request)
     spec = BenchSpec(**req["spec"])
-    devices.configure_threads(devices.intra_op_threads(DistConfig(strategy="mirrored"), 2))
-    devices.configure_cpu_devices(2)
+    prepare_runtime(DistConfig(strategy="mirrored", cpu_devices=2))  # train.py's own set-up
     built, failed = build_available(load_setup(spec), req["names"], spec.warmup)
     out.write(json.dumps({"status": {**failed, **{n: "ok" for n in built}}}) + "\n")
     out.flush()
