@@ -6,7 +6,7 @@ Run it once while online, from the repository root::
     python scripts/download_data.py wikitext-2 --input-dir input
 
 Each file is streamed into a temporary file beside its final name, checked against the
-sha256 in ``tfpar.corpora.KNOWN_CORPORA`` and only then renamed into place, so a failed or
+sha256 in ``tfpar.data.corpora.KNOWN_CORPORA`` and only then renamed into place, so a failed or
 corrupted download never leaves a file that looks complete. Training itself never
 downloads; it reads ``input/<name>/`` (see input/README.md).
 """
@@ -28,7 +28,7 @@ from typing import Mapping
 # So `import tfpar` works when the script runs from a checkout that is not installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tfpar import corpora  # noqa: E402
+from tfpar.data import corpora  # noqa: E402
 from tfpar.errors import DataError, TfparError  # noqa: E402
 
 logger = logging.getLogger("download_data")
@@ -41,7 +41,7 @@ class Source:
     # URL of the folder that holds the files; a file's URL is this plus its remote name.
     base_url: str
     # Remote file name of each split. Files are saved under the names (and checked
-    # against the sha256s) in tfpar.corpora.KNOWN_CORPORA.
+    # against the sha256s) in tfpar.data.corpora.KNOWN_CORPORA.
     remote_names: Mapping[str, str]
 
 

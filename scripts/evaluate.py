@@ -7,7 +7,7 @@
 ``--model``: scores every sentence with the SavedModel's ``score`` signature (what a
 served model computes; a sentence longer than the run's --max-length is scored whole).
 ``--model-dir``: rebuilds the model from the run's config.json, vocab.txt and latest
-checkpoint and evaluates it exactly as training does (``tfpar.train.evaluate``),
+checkpoint and evaluates it exactly as training does (``tfpar.training.run.evaluate``),
 distributed over --strategy / --cpu-devices if asked. Either way perplexity is
 exp(total nll / total tokens) over the whole split.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tfpar import cli  # noqa: E402
+from tfpar.tools import cli  # noqa: E402
 from tfpar.config import Config, DataConfig, DistConfig  # noqa: E402
 from tfpar.errors import CheckpointError, ConfigError  # noqa: E402
 
@@ -54,7 +54,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def dist_config(args) -> DistConfig:
-    from tfpar.devices import parse_device_list
+    from tfpar.parallel.devices import parse_device_list
 
     return DistConfig(strategy=args.strategy, devices=parse_device_list(args.devices),
                       cpu_devices=args.cpu_devices, all_reduce=args.all_reduce,
@@ -67,7 +67,7 @@ def dist_config(args) -> DistConfig:
 
 def stored_run(model_dir: str) -> tuple[Config, str]:
     """The run's config and the path of its vocabulary; CheckpointError if not a run."""
-    from tfpar.checkpoints import CONFIG_FILE
+    from tfpar.training.checkpoints import CONFIG_FILE
 
     path = os.path.join(model_dir, CONFIG_FILE)
     vocab = os.path.join(model_dir, "vocab.txt")
@@ -93,12 +93,12 @@ def evaluate_model_dir(args) -> dict:
     cli.prepare_runtime(config.dist)  # Logical CPU devices: before TensorFlow starts.
     import tensorflow as tf
 
-    from tfpar.data import load_corpus
-    from tfpar.input_pipeline import InputData
-    from tfpar.model import build_model
-    from tfpar.strategies import build_strategy
-    from tfpar.train import evaluate
-    from tfpar.vocab import Vocab
+    from tfpar.data.sources import load_corpus
+    from tfpar.data.pipeline import InputData
+    from tfpar.model.lm import build_model
+    from tfpar.parallel import build_strategy
+    from tfpar.training.run import evaluate
+    from tfpar.data.vocab import Vocab
 
     ckpt = tf.train.latest_checkpoint(os.path.join(args.model_dir, "checkpoints"))
     if not ckpt:
@@ -135,8 +135,8 @@ def evaluate_saved_model(args) -> dict:
     data = DataConfig(source=args.data or "synthetic", input_dir=args.input_dir or "input",
                       synthetic_train=sizes[0], synthetic_valid=sizes[1],
                       synthetic_test=sizes[2])
-    from tfpar import export
-    from tfpar.data import load_corpus
+    from tfpar.serving import export
+    from tfpar.data.sources import load_corpus
 
     loaded, version_dir = export.load_saved_model(args.model)
     corpus = load_corpus(data, seed=args.seed)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tfpar.cli import run_main, setup_logging  # noqa: E402
+from tfpar.tools.cli import run_main, setup_logging  # noqa: E402
 from tfpar.errors import ConfigError  # noqa: E402
 
 
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
 
     def body():
         check(args)
-        from tfpar import export
+        from tfpar.serving import export
 
         loaded, _ = export.load_saved_model(args.model)
         prompts = args.prompt or [""]

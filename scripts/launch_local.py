@@ -70,8 +70,8 @@ def main(argv=None) -> int:
         parser().error("give train.py's flags after --, e.g. -- --strategy multi_worker")
     train_args = argv[split + 1:]
 
-    from tfpar import cluster
-    from tfpar.cli import run_main
+    from tfpar.parallel import cluster
+    from tfpar.tools.cli import run_main
 
     def body():
         if args.restarts < 0:

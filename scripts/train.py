@@ -2,7 +2,7 @@
 """Train an RNN language model: ``python scripts/train.py --strategy mirrored``.
 
 Thin on purpose: the flags are parsed into a Config and handed to
-``tfpar.train.train_and_evaluate``; ``--help`` lists every flag.
+``tfpar.training.run.train_and_evaluate``; ``--help`` lists every flag.
 """
 
 import sys
@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tfpar.cli import train_main  # noqa: E402
+from tfpar.tools.cli import train_main  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -6,7 +6,7 @@
 trains each strategy for ``--steps`` SGD steps from the same initial weights on the same
 global batches, prints max |parameter difference| and the relative difference of the
 distributed eval perplexity against ``default``, and exits 1 when one is outside the
-tolerances (2 on a usage error). The logic lives in ``tfpar.verify``; ``--help`` lists
+tolerances (2 on a usage error). The logic lives in ``tfpar.tools.verify``; ``--help`` lists
 every flag.
 """
 
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv=None) -> int:
     # Quiet TensorFlow's C++ start-up chatter; it reads this once, when it is imported.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from tfpar.verify import main as verify_main
+    from tfpar.tools.verify import main as verify_main
 
     return verify_main(argv)
 

@@ -11,7 +11,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import pytest  # noqa: E402
 
-from tfpar.devices import configure_cpu_devices  # noqa: E402
+from tfpar.parallel.devices import configure_cpu_devices  # noqa: E402
 
 NUM_TEST_DEVICES = 4
 configure_cpu_devices(NUM_TEST_DEVICES)
@@ -55,7 +55,7 @@ def batch_of(rows):
     import numpy as np
     import tensorflow as tf
 
-    from tfpar.vocab import PAD_ID
+    from tfpar.data.vocab import PAD_ID
 
     t = np.array(rows, np.int32)
     inputs = np.concatenate([np.full((len(t), 1), 2, np.int32), t[:, :-1]], axis=1)

@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from tfpar import benchmark
-from tfpar.benchmark import (BenchSpec, check_targets, fixed_windows, pad_fraction, ratio,
+from tfpar.tools import benchmark
+from tfpar.tools.benchmark import (BenchSpec, check_targets, fixed_windows, pad_fraction, ratio,
                              stall_fraction, tiny_spec)
 from tfpar.errors import ConfigError
 
@@ -181,7 +181,7 @@ def test_tiny_run_prints_a_verdict_per_target_and_check_sets_the_exit_code(tiny_
 
 
 def test_unregistered_strategies_are_marked_not_available(monkeypatch):
-    from tfpar import strategies
+    from tfpar import parallel as strategies
 
     monkeypatch.delitem(strategies.STRATEGIES, "tower")
     configs = benchmark.distribution_configs()

@@ -1,4 +1,4 @@
-"""tfpar.cluster: TF_CONFIG parsing and checks, ports, job plans, and the local launcher's
+"""tfpar.parallel.cluster: TF_CONFIG parsing and checks, ports, job plans, and the local launcher's
 process handling (with tiny Python child processes, so these run in seconds)."""
 
 import io
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tfpar import cluster
+from tfpar.parallel import cluster
 from tfpar.errors import ClusterError
 
 MW = {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}

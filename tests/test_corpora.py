@@ -1,4 +1,4 @@
-"""Tests for tfpar.corpora: corpus folders, named corpora, TFDS and every error message."""
+"""Tests for tfpar.data.corpora: corpus folders, named corpora, TFDS and every error message."""
 
 import os
 import re
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tfpar import corpora
+from tfpar.data import corpora
 from tfpar.errors import DataError
 
 SHARED_DATA = Path(os.environ.get(

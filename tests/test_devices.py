@@ -1,11 +1,11 @@
-"""Thread pools for runs on logical CPU devices (tfpar.devices)."""
+"""Thread pools for runs on logical CPU devices (tfpar.parallel.devices)."""
 
 import subprocess
 import sys
 
 import pytest
 
-from tfpar import devices
+from tfpar.parallel import devices
 from tfpar.config import DistConfig
 
 
@@ -34,8 +34,8 @@ def test_explicit_threads_win_and_gpus_keep_the_default(monkeypatch):
 
 SCRIPT = """
 import tensorflow as tf
-from tfpar import devices
-from tfpar.cli import prepare_runtime
+from tfpar.parallel import devices
+from tfpar.tools.cli import prepare_runtime
 from tfpar.config import DistConfig
 devices.host_cores = lambda: 4
 prepare_runtime(DistConfig(strategy="mirrored", cpu_devices=2))

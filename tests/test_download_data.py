@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tfpar import corpora
+from tfpar.data import corpora
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get(

@@ -1,4 +1,4 @@
-"""tfpar.export: versioned atomic layout, the three signatures, loading without tfpar."""
+"""tfpar.serving.export: versioned atomic layout, the three signatures, loading without tfpar."""
 
 import errno
 import json
@@ -10,14 +10,16 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfpar import export, sample
+from tfpar.serving import export
+
+from tfpar.serving import sample
 from tfpar.config import Config, DistConfig
 from tfpar.errors import CheckpointError
-from tfpar.input_pipeline import InputData
-from tfpar.model import build_model
-from tfpar.strategies import build_strategy
-from tfpar.train import evaluate
-from tfpar.vocab import Vocab
+from tfpar.data.pipeline import InputData
+from tfpar.model.lm import build_model
+from tfpar.parallel import build_strategy
+from tfpar.training.run import evaluate
+from tfpar.data.vocab import Vocab
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(REPO, ".venv", "bin")
@@ -279,7 +281,7 @@ def test_saved_model_cli_lists_the_three_signatures(trained):
 
 
 def test_a_model_trained_under_mirrored_exports_the_same_way(tiny_args, tmp_path):
-    from tfpar.cli import train_main
+    from tfpar.tools.cli import train_main
 
     assert train_main(tiny_args + ["--strategy", "mirrored", "--cpu-devices", "2"]) == 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())

@@ -4,9 +4,9 @@ import tensorflow as tf
 
 from tfpar.config import DataConfig
 from tfpar.errors import DataError
-from tfpar.input_pipeline import (InputData, bucket_boundaries, count_tokens, per_replica,
+from tfpar.data.pipeline import (InputData, bucket_boundaries, count_tokens, per_replica,
                                   sentence_lengths, shard_bounds)
-from tfpar.vocab import EOS_ID, PAD_ID, Vocab
+from tfpar.data.vocab import EOS_ID, PAD_ID, Vocab
 
 
 def make_lines(n, seed=0, max_words=30):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfpar.layers import FastGRU, FastLSTM
+from tfpar.model.layers import FastGRU, FastLSTM
 
 PAIRS = [(FastLSTM, keras.layers.LSTM, 2), (FastGRU, keras.layers.GRU, 1)]
 # Row 0 full, row 1 right-padded, row 2 all padding (the empty-shard row of
@@ -114,7 +114,7 @@ def test_config_round_trip_keeps_matmul_dtype():
 @pytest.mark.parametrize("tie", [False, True])
 def test_bf16_model_has_the_same_weights_and_close_logits(tie):
     from tfpar.config import ModelConfig
-    from tfpar.model import build_model
+    from tfpar.model.lm import build_model
 
     cfg = ModelConfig(embed_dim=16, hidden_dim=16, layers=2, tie_embeddings=tie)
     fp32 = build_model(cfg, 30)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfpar import losses
+from tfpar.objective import losses
 
 
 def test_nll_sum_and_count_hand_computed():

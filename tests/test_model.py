@@ -3,7 +3,7 @@ import pytest
 import tensorflow as tf
 
 from tfpar.config import ModelConfig
-from tfpar.model import build_model
+from tfpar.model.lm import build_model
 
 
 @pytest.mark.parametrize("cell,layers", [("lstm", 1), ("gru", 2), ("lstm", 3)])

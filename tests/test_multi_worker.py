@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfpar.cli import train_main
-from tfpar.input_pipeline import per_replica
-from tfpar.strategies import multi_worker
+from tfpar.tools.cli import train_main
+from tfpar.data.pipeline import per_replica
+from tfpar.parallel import multi_worker
 
 
 def global_batches(row_counts, length=3):
@@ -106,7 +106,7 @@ def test_a_taken_port_of_this_task_is_refused(tiny_args, monkeypatch, capsys):
 def test_two_worker_processes_match_one_device(tmp_path, capsys):
     """verify_parallel's multi_worker runner starts 2 worker processes on loopback; their
     parameters and eval perplexity must match the default strategy's."""
-    from tfpar.verify import main as verify_main
+    from tfpar.tools.verify import main as verify_main
 
     report = tmp_path / "verify.json"
     assert verify_main(["--strategies", "default,multi_worker:2", "--steps", "10",

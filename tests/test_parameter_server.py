@@ -14,12 +14,14 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO
-from tfpar import cluster, steps, summaries
-from tfpar.cli import train_main
+from tfpar.parallel import cluster
+from tfpar.objective import step as steps
+from tfpar.training import summaries
+from tfpar.tools.cli import train_main
 from tfpar.config import Config, DataConfig, ModelConfig, RunConfig
 from tfpar.errors import ConfigError
-from tfpar.model import build_model
-from tfpar.strategies import parameter_server as ps
+from tfpar.model.lm import build_model
+from tfpar.parallel import parameter_server as ps
 
 ShardedVariable = tf.__internal__.distribute.ShardedVariable
 

@@ -15,16 +15,16 @@ from conftest import batch_of
 import tensorflow as tf
 
 from conftest import REPO
-from tfpar import cli
+from tfpar.tools import cli
 from tfpar.config import DataConfig, DistConfig, ModelConfig
 from tfpar.errors import ConfigError, DeviceError
-from tfpar.input_pipeline import InputData
-from tfpar.model import build_model
-from tfpar.strategies import build_strategy, cpu_devices_needed
-from tfpar.strategies.pipeline import (Placement, PipelinePlugin, Stage, parse_stages,
+from tfpar.data.pipeline import InputData
+from tfpar.model.lm import build_model
+from tfpar.parallel import build_strategy, cpu_devices_needed
+from tfpar.parallel.pipeline import (Placement, PipelinePlugin, Stage, parse_stages,
                                        placement_from_config)
-from tfpar.verify import Setup, VerifySpec, run_plugin
-from tfpar.vocab import PAD_ID, Vocab
+from tfpar.tools.verify import Setup, VerifySpec, run_plugin
+from tfpar.data.vocab import PAD_ID, Vocab
 
 MODEL = ModelConfig(embed_dim=16, hidden_dim=16, layers=2)
 CLIP = 0.05  # Below every gradient norm of these runs (asserted), so clipping fires.
@@ -419,7 +419,7 @@ def test_pipeline_plugin_without_a_model_has_no_stages():
 
 # ----------------------------------------------------------------- benchmark
 def test_pipeline_sweep_rows_and_measured_overlap():
-    from tfpar import bench_pipeline
+    from tfpar.tools import bench_pipeline
 
     rows = bench_pipeline.pipeline_sweep(
         (1, 2), stages=TWO, batch_size=6, seq_len=4, vocab_size=30, embed_dim=8,
@@ -441,7 +441,7 @@ def test_pipeline_sweep_rows_and_measured_overlap():
 
 
 def test_bench_main_rejects_bad_micro_batches(capsys):
-    from tfpar import bench_pipeline
+    from tfpar.tools import bench_pipeline
 
     assert bench_pipeline.main(["--micro-batches", "1,two"]) == 2
     assert capsys.readouterr().err.strip() == (

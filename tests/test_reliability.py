@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO
-from tfpar.cli import train_main
+from tfpar.tools.cli import train_main
 
 TRAIN = os.path.join(REPO, "scripts", "train.py")
 
@@ -175,7 +175,7 @@ def test_full_disk_while_checkpointing_is_one_line_and_keeps_the_last_checkpoint
         tiny_args, capsys, tmp_path, monkeypatch):
     import errno
 
-    from tfpar import checkpoints
+    from tfpar.training import checkpoints
 
     real_save = tf.train.CheckpointManager.save
     calls = []

@@ -1,13 +1,13 @@
-"""tfpar.sample: in-graph generation (prompt padding, token choice, stopping, text)."""
+"""tfpar.serving.sample: in-graph generation (prompt padding, token choice, stopping, text)."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfpar import sample
+from tfpar.serving import sample
 from tfpar.config import ModelConfig
-from tfpar.model import build_model
-from tfpar.vocab import EOS_ID, PAD_ID, UNK_ID, Vocab
+from tfpar.model.lm import build_model
+from tfpar.data.vocab import EOS_ID, PAD_ID, UNK_ID, Vocab
 
 VOCAB = Vocab.build(["a b c d e f g h"] * 3)  # ids: 0 pad, 1 unk, 2 eos, 3.. a..h
 

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from tfpar.config import DataConfig, DistConfig, ModelConfig
-from tfpar.input_pipeline import InputData
-from tfpar.model import build_model
-from tfpar.strategies import build_strategy
-from tfpar.train import evaluate
-from tfpar.verify import Setup, VerifySpec, run_plugin
-from tfpar.vocab import Vocab
+from tfpar.data.pipeline import InputData
+from tfpar.model.lm import build_model
+from tfpar.parallel import build_strategy
+from tfpar.training.run import evaluate
+from tfpar.tools.verify import Setup, VerifySpec, run_plugin
+from tfpar.data.vocab import Vocab
 
 MODEL = ModelConfig(embed_dim=16, hidden_dim=16)
 CLIP = 0.05

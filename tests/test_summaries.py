@@ -1,4 +1,4 @@
-"""tfpar.summaries: what goes into the event files, per step and per epoch."""
+"""tfpar.training.summaries: what goes into the event files, per step and per epoch."""
 
 import glob
 import math
@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfpar import steps, summaries
+from tfpar.objective import step as steps
+
+from tfpar.training import summaries
 from tfpar.config import Config, ModelConfig
-from tfpar.input_pipeline import InputData
-from tfpar.model import build_model
-from tfpar.vocab import Vocab
+from tfpar.data.pipeline import InputData
+from tfpar.model.lm import build_model
+from tfpar.data.vocab import Vocab
 
 LINES = ["a b c d", "b c", "a a b c d e", "e d c", "c a", "d d e a b"]
 

@@ -1,4 +1,4 @@
-"""Tests of tfpar.synthetic: the generated language and its exact oracle."""
+"""Tests of tfpar.data.synthetic: the generated language and its exact oracle."""
 
 import collections
 import dataclasses
@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from tfpar import synthetic
+from tfpar.data import synthetic
 from tfpar.errors import ConfigError, DataError
 
 # Small enough to enumerate every sentence (5 + 25 + 125) and every hidden path.

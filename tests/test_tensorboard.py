@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from tfpar.cli import train_main
+from tfpar.tools.cli import train_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TENSORBOARD = os.path.join(REPO, ".venv", "bin", "tensorboard")

@@ -13,16 +13,16 @@ import pytest
 from conftest import batch_of
 import tensorflow as tf
 
-from tfpar import cli
+from tfpar.tools import cli
 from tfpar.config import Config, DataConfig, DistConfig, ModelConfig, TrainConfig
 from tfpar.errors import DeviceError
-from tfpar.input_pipeline import InputData
-from tfpar.model import build_model
-from tfpar.strategies import build_strategy
-from tfpar.strategies.tower import TowerPlugin, default_variable_device, ring_all_reduce
-from tfpar.train import EpochSchedule, base_learning_rate
-from tfpar.verify import Setup, VerifySpec, run_plugin
-from tfpar.vocab import PAD_ID, Vocab
+from tfpar.data.pipeline import InputData
+from tfpar.model.lm import build_model
+from tfpar.parallel import build_strategy
+from tfpar.parallel.tower import TowerPlugin, default_variable_device, ring_all_reduce
+from tfpar.training.run import EpochSchedule, base_learning_rate
+from tfpar.tools.verify import Setup, VerifySpec, run_plugin
+from tfpar.data.vocab import PAD_ID, Vocab
 
 MODEL = ModelConfig(embed_dim=16, hidden_dim=16)
 CLIP = 0.05  # Below every gradient norm of these runs (asserted), so clipping fires.
@@ -230,10 +230,10 @@ def test_traced_step_places_towers_and_updates(reduce):
 
 PLACEMENT_SCRIPT = """
 import tensorflow as tf
-from tfpar.cli import prepare_runtime
+from tfpar.tools.cli import prepare_runtime
 from tfpar.config import DistConfig, ModelConfig
-from tfpar.model import build_model
-from tfpar.strategies import build_strategy
+from tfpar.model.lm import build_model
+from tfpar.parallel import build_strategy
 import keras
 
 dist = DistConfig(strategy="tower", cpu_devices=3, devices=("/cpu:0", "/cpu:1"),

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO
-from tfpar.cli import train_main
+from tfpar.tools.cli import train_main
 
 EXPECTED_KEYS = {"strategy", "replicas", "devices", "steps", "tokens_per_sec", "train_ppl",
                  "valid_ppl", "test_ppl", "unigram_valid_ppl", "export_path"}
@@ -52,8 +52,8 @@ def test_resume_with_another_model_size_is_refused(tiny_args, tmp_path, capsys):
 
 def test_export_reloads_with_the_same_log_probs(tiny_args, tmp_path):
     from tfpar.config import ModelConfig
-    from tfpar.model import build_model
-    from tfpar.vocab import Vocab
+    from tfpar.model.lm import build_model
+    from tfpar.data.vocab import Vocab
 
     assert train_main(tiny_args) == 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())

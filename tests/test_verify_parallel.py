@@ -1,4 +1,4 @@
-"""scripts/verify_parallel.py and tfpar.verify: parsing, comparison, exit status both ways."""
+"""scripts/verify_parallel.py and tfpar.tools.verify: parsing, comparison, exit status both ways."""
 
 import importlib.util
 import json
@@ -7,9 +7,9 @@ import types
 import numpy as np
 import pytest
 
-from tfpar import verify
+from tfpar.tools import verify
 from tfpar.errors import ConfigError
-from tfpar.verify import RunResult, Runner, VerifySpec, compare, parse_strategies
+from tfpar.tools.verify import RunResult, Runner, VerifySpec, compare, parse_strategies
 
 SMALL = ["--steps", "2", "--hidden-dim", "8", "--embed-dim", "8"]
 

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 from tfpar.errors import DataError
-from tfpar.vocab import EOS_ID, PAD_ID, SPECIALS, UNK_ID, Vocab
+from tfpar.data.vocab import EOS_ID, PAD_ID, SPECIALS, UNK_ID, Vocab
 
 LINES = ["b a c", "a b", "a <unk> d", "c c"]
 

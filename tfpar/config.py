@@ -189,7 +189,7 @@ class TrainConfig:
 class DistConfig:
     """How the work is spread over devices and processes."""
 
-    # A name from tfpar.strategies.STRATEGIES.
+    # A name from tfpar.parallel.STRATEGIES.
     strategy: str = "default"
     # Explicit devices, e.g. ("/gpu:0", "/gpu:1") or ("/cpu:0", "/cpu:1"); empty: automatic.
     devices: tuple[str, ...] = ()
@@ -214,7 +214,7 @@ class DistConfig:
     # Let ops without a kernel on the requested device fall back to another device.
     soft_placement: bool = False
     # Threads one op may use (TF's intra-op pool); 0: automatic (see
-    # tfpar.devices.intra_op_threads).
+    # tfpar.parallel.devices.intra_op_threads).
     intra_op_threads: int = 0
 
     def __post_init__(self) -> None:

@@ -13,7 +13,7 @@ import keras
 import tensorflow as tf
 
 from tfpar.config import ModelConfig
-from tfpar.layers import FastGRU, FastLSTM
+from tfpar.model.layers import FastGRU, FastLSTM
 
 EMBEDDING, SOFTMAX = "embedding", "softmax"
 
@@ -35,7 +35,7 @@ class RNNLanguageModel(keras.Model):
             embeddings_initializer=init or "uniform",
         )
         # Keras' LSTM/GRU with a faster recurrence on CPUs (same weights and math; see
-        # tfpar.layers).
+        # tfpar.model.layers).
         rnn_cls = FastLSTM if config.cell == "lstm" else FastGRU
         matmul_dtype = "bfloat16" if config.precision == "bf16" else None
         # Each layer is its own attribute, not a list element: Keras 3 keeps lists in

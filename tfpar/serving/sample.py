@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfpar.input_pipeline import tokenize
-from tfpar.vocab import EOS_ID, PAD_ID, UNK_ID, Vocab
+from tfpar.data.pipeline import tokenize
+from tfpar.data.vocab import EOS_ID, PAD_ID, UNK_ID, Vocab
 
 # Ids generation never produces.
 NEVER_SAMPLED = (PAD_ID, UNK_ID)

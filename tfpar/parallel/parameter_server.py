@@ -1,6 +1,6 @@
 """``parameter_server``: asynchronous training (ParameterServerStrategy, ClusterCoordinator).
 
-Tasks (``TF_CONFIG``, see ``tfpar.cluster``): ``ps`` tasks hold the variables, ``worker``
+Tasks (``TF_CONFIG``, see ``tfpar.parallel.cluster``): ``ps`` tasks hold the variables, ``worker``
 tasks compute steps, and the ``chief`` is the coordinator: it runs the training loop,
 schedules steps, evaluates and writes checkpoints, events, metrics and the export.
 Worker and ps processes run ``scripts/train.py`` too, with the same flags; they only
@@ -54,12 +54,14 @@ import random
 
 import tensorflow as tf
 
-from tfpar import cluster, steps
+from tfpar.parallel import cluster
+
+from tfpar.objective import step as steps
 from tfpar.config import DistConfig
 from tfpar.errors import ConfigError
-from tfpar.model import RNNLanguageModel
-from tfpar.strategies.base import StrategyPlugin
-from tfpar.steps import StepOutput
+from tfpar.model.lm import RNNLanguageModel
+from tfpar.parallel.base import StrategyPlugin
+from tfpar.objective.step import StepOutput
 
 log = logging.getLogger(__name__)
 ShardedVariable = tf.__internal__.distribute.ShardedVariable
@@ -118,7 +120,7 @@ def shard_parts(variable) -> list:
 
 def loss_and_grads(model, batch: dict):
     """Gradients of ``nll_sum / token_count`` of one whole batch (one worker's step), as
-    ``tfpar.steps.loss_and_grads`` computes them, but taken per shard of a partitioned
+    ``tfpar.objective.step.loss_and_grads`` computes them, but taken per shard of a partitioned
     variable and concatenated (a Keras variable cannot be differentiated through a
     ``ShardedVariable``).
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tfpar import losses
+from tfpar.objective import losses
 
 
 @dataclasses.dataclass

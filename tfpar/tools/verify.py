@@ -26,17 +26,18 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpar import devices as devices_lib
-from tfpar import steps, synthetic
-from tfpar.cli import run_main, setup_logging
+from tfpar.parallel import devices as devices_lib
+from tfpar.objective import step as steps
+from tfpar.data import synthetic
+from tfpar.tools.cli import run_main, setup_logging
 from tfpar.config import MODES, DataConfig, DistConfig, ModelConfig
 from tfpar.errors import ConfigError
-from tfpar.input_pipeline import InputData
-from tfpar.losses import perplexity, token_count
-from tfpar.model import build_model
-from tfpar.strategies import build_strategy, multi_worker, pipeline
-from tfpar.train import evaluate
-from tfpar.vocab import Vocab
+from tfpar.data.pipeline import InputData
+from tfpar.objective.losses import perplexity, token_count
+from tfpar.model.lm import build_model
+from tfpar.parallel import build_strategy, multi_worker, pipeline
+from tfpar.training.run import evaluate
+from tfpar.data.vocab import Vocab
 
 log = logging.getLogger(__name__)
 

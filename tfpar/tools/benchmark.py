@@ -36,7 +36,7 @@ from tfpar.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_PTB = os.path.join(os.path.dirname(REPO), "shared", "data", "ptb")
 
 # name -> (comparison, threshold); checked by check_targets.
@@ -272,9 +272,9 @@ class Setup:
 def load_setup(spec: BenchSpec) -> Setup:
     """Reads (or generates) the corpus and builds the vocabulary and the input data."""
     from tfpar.config import DataConfig
-    from tfpar.data import load_corpus
-    from tfpar.input_pipeline import InputData
-    from tfpar.vocab import Vocab
+    from tfpar.data.sources import load_corpus
+    from tfpar.data.pipeline import InputData
+    from tfpar.data.vocab import Vocab
 
     note = ""
     source = spec.data
@@ -304,8 +304,8 @@ def model_config(spec: BenchSpec):
 def build_tfpar(setup: Setup, name: str, dist) -> tuple[TfparContender, Any]:
     """A tfpar contender under the plug-in ``dist`` names (clip 5, tfpar's default), and
     the plug-in."""
-    from tfpar.model import build_model
-    from tfpar.strategies import build_strategy
+    from tfpar.model.lm import build_model
+    from tfpar.parallel import build_strategy
 
     spec = setup.spec
     plugin = build_strategy(dist)
@@ -331,7 +331,7 @@ def in_memory_twin(contender: TfparContender, steps: int) -> TfparContender:
 
 
 def keras_baseline(setup: Setup) -> KerasContender:
-    from tfpar.input_pipeline import stream_ids
+    from tfpar.data.pipeline import stream_ids
 
     stream = stream_ids(setup.splits["train"], setup.vocab).numpy()
     x, y = fixed_windows(stream, setup.spec.bptt)
@@ -339,14 +339,14 @@ def keras_baseline(setup: Setup) -> KerasContender:
 
 
 # Contenders on two logical CPU devices: they run in a process of their own, set up the way
-# scripts/train.py sets up such a run (its intra-op thread share; tfpar.devices).
+# scripts/train.py sets up such a run (its intra-op thread share; tfpar.parallel.devices).
 TWO_DEVICE = ("mirrored2", "tower2", "pipeline2")
 
 
 def distribution_configs() -> dict[str, Any]:
     """name -> DistConfig, or NOT_AVAILABLE when the strategy is not registered."""
     from tfpar.config import DistConfig
-    from tfpar.strategies import STRATEGIES
+    from tfpar.parallel import STRATEGIES
 
     two = ("/cpu:0", "/cpu:1")
     wanted = {
@@ -394,14 +394,14 @@ class RemoteContender(Contender):
 
 
 class ContenderServer:
-    """``python -m tfpar.benchmark --serve``: a child process hosting some contenders."""
+    """``python -m tfpar.tools.benchmark --serve``: a child process hosting some contenders."""
 
     def __init__(self, spec: BenchSpec, names: Sequence[str]):
         import subprocess
 
         request = json.dumps({"spec": dataclasses.asdict(spec), "names": list(names)})
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tfpar.benchmark", "--serve", request],
+            [sys.executable, "-m", "tfpar.tools.benchmark", "--serve", request],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
         ready = self._read()
         self.status: dict[str, str] = ready["status"]  # name -> "ok" | "failed: ..."
@@ -430,7 +430,7 @@ def serve(request: str) -> int:
     """The child side of :class:`ContenderServer`: sets up its runtime as
     ``scripts/train.py`` would for two logical CPU devices, builds the contenders, then
     answers ``{"name", "steps"}`` requests with a Segment, one JSON line each."""
-    from tfpar.cli import prepare_runtime
+    from tfpar.tools.cli import prepare_runtime
     from tfpar.config import DistConfig
 
     out = os.fdopen(os.dup(1), "w")  # the protocol's channel; anything else printed -> stderr
@@ -518,8 +518,8 @@ def padding(setup: Setup) -> dict[str, float]:
     ``padded_batch`` of the same shuffled sentences (long ones split the same way)."""
     import tensorflow as tf
 
-    from tfpar.input_pipeline import count_tokens
-    from tfpar.vocab import PAD_ID
+    from tfpar.data.pipeline import count_tokens
+    from tfpar.data.vocab import PAD_ID
 
     data, size = setup.sentence_data, setup.spec.batch_size
     real_b, slots_b = count_tokens(data.batches("train", training=True, epoch=0, batch_size=size))
@@ -788,7 +788,7 @@ def spec_from_args(a: argparse.Namespace) -> BenchSpec:
 def main(argv: Sequence[str] | None = None) -> int:
     """``scripts/benchmark.py``: exit 0, or 1 under ``--check`` when a target is missed,
     2 on a usage error."""
-    from tfpar.cli import run_main, setup_logging
+    from tfpar.tools.cli import run_main, setup_logging
 
     args = parser().parse_args(argv)
     setup_logging(args.verbose)
@@ -797,7 +797,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def body():
         spec = spec_from_args(args)
-        from tfpar import devices
+        from tfpar.parallel import devices
 
         devices.configure_cpu_devices(1)  # the 2-device contenders run in a child process
         results = run(spec)

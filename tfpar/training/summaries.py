@@ -30,8 +30,10 @@ from typing import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tfpar import sample, steps
-from tfpar.model import RNNLanguageModel
+from tfpar.serving import sample
+
+from tfpar.objective import step as steps
+from tfpar.model.lm import RNNLanguageModel
 
 log = logging.getLogger(__name__)
 RUNS = ("train", "eval")

@@ -3,7 +3,7 @@
 TF1's ``device_guard`` pipeline (PaddlePaddle's guide: the data and embedding layers on
 the CPU, the rest on a GPU, a mini-batch cut into micro-batches so the devices work at the
 same time), ported to TF 2 without ``tf.distribute``. The model's parts are ``embedding``,
-``rnn_0`` … ``rnn_{L-1}`` and ``softmax`` (``tfpar.model``); ``--stages`` puts each on a
+``rnn_0`` … ``rnn_{L-1}`` and ``softmax`` (``tfpar.model.lm``); ``--stages`` puts each on a
 device, and every run of consecutive parts on one device is a *stage*. A part's weights
 live on its stage's device, and so do its forward ops and their gradient ops.
 
@@ -32,7 +32,7 @@ its inputs on an idle inter-op thread. A profile shows it taking micro-batches o
 order and starting B_j as soon as F_j is done on every later stage (a 1F1B-like order);
 the sums of the gradients do not depend on the order. Overlap needs 2+ inter-op threads
 (``tf.config.threading``; TF's default is one per core); ``python -m
-tfpar.bench_pipeline`` measures it.
+tfpar.tools.bench_pipeline`` measures it.
 
 The loss of micro-batch j is ``nll_sum_j / N`` with N the real-token count of the whole
 global batch, so the sum of the micro-batches' gradients is the whole batch's gradient.
@@ -59,13 +59,14 @@ import re
 import keras
 import tensorflow as tf
 
-from tfpar import devices as devices_lib
-from tfpar import losses, steps
+from tfpar.parallel import devices as devices_lib
+from tfpar.objective import losses
+from tfpar.objective import step as steps
 from tfpar.config import DistConfig
 from tfpar.errors import ConfigError
-from tfpar.input_pipeline import shard_bounds, shard_rows
-from tfpar.model import EMBEDDING, SOFTMAX, rnn_name
-from tfpar.strategies.base import StrategyPlugin
+from tfpar.data.pipeline import shard_bounds, shard_rows
+from tfpar.model.lm import EMBEDDING, SOFTMAX, rnn_name
+from tfpar.parallel.base import StrategyPlugin
 
 log = logging.getLogger(__name__)
 
@@ -638,7 +639,7 @@ VERIFY_MICRO_BATCHES = 3
 def verify_runner(setup, replicas: int):
     """``verify_parallel.py``'s runner: ``pipeline:N`` cuts the model into N stages on N
     devices (:func:`even_stages`), with :data:`VERIFY_MICRO_BATCHES` micro-batches."""
-    from tfpar.verify import replica_devices, run_plugin
+    from tfpar.tools.verify import replica_devices, run_plugin
 
     stages = even_stages(setup.model_config.layers, list(replica_devices(replicas)))
     return run_plugin(setup, DistConfig(strategy="pipeline", stages=stages,

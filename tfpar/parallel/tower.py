@@ -44,12 +44,13 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from tfpar import devices as devices_lib
-from tfpar import losses, steps
+from tfpar.parallel import devices as devices_lib
+from tfpar.objective import losses
+from tfpar.objective import step as steps
 from tfpar.config import DistConfig
-from tfpar.input_pipeline import shard_bounds, shard_rows
-from tfpar.strategies.base import StrategyPlugin
-from tfpar.strategies.distribute import mirrored_devices
+from tfpar.data.pipeline import shard_bounds, shard_rows
+from tfpar.parallel.base import StrategyPlugin
+from tfpar.parallel.distribute import mirrored_devices
 
 
 class TowerPlugin(StrategyPlugin):

@@ -11,8 +11,8 @@ import math
 
 import tensorflow as tf
 
-from tfpar.vocab import PAD_ID
-from tfpar.xla import when_shapes_fixed
+from tfpar.data.vocab import PAD_ID
+from tfpar.model.xla import when_shapes_fixed
 
 
 def token_mask(targets: tf.Tensor) -> tf.Tensor:

@@ -47,7 +47,7 @@ import tensorflow as tf
 
 from tfpar.config import DataConfig
 from tfpar.errors import DataError
-from tfpar.vocab import EOS_ID, PAD_ID, Vocab
+from tfpar.data.vocab import EOS_ID, PAD_ID, Vocab
 
 log = logging.getLogger(__name__)
 AUTOTUNE = tf.data.AUTOTUNE

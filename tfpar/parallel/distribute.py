@@ -3,7 +3,7 @@
 One replica step, run by ``strategy.run`` inside a ``tf.function``:
 
 1. all-reduce the replica's real-token count, so every replica knows the global count;
-2. gradients of ``nll_sum / global_count`` on the replica's rows (``tfpar.steps``);
+2. gradients of ``nll_sum / global_count`` on the replica's rows (``tfpar.objective.step``);
 3. all-reduce a copy of the gradients, only to get the global norm of the *aggregated*
    gradient, and with it the clip factor (Keras 3's ``clipnorm`` would clip each replica
    before aggregation, which is not what one device does);
@@ -18,11 +18,12 @@ import logging
 
 import tensorflow as tf
 
-from tfpar import devices as devices_lib
-from tfpar import losses, steps
+from tfpar.parallel import devices as devices_lib
+from tfpar.objective import losses
+from tfpar.objective import step as steps
 from tfpar.config import DistConfig
 from tfpar.errors import ConfigError
-from tfpar.strategies.base import StrategyPlugin
+from tfpar.parallel.base import StrategyPlugin
 
 log = logging.getLogger(__name__)
 SUM = tf.distribute.ReduceOp.SUM

@@ -10,12 +10,12 @@ from typing import Callable
 
 from tfpar.config import DistConfig
 from tfpar.errors import ConfigError
-from tfpar.strategies import distribute
-from tfpar.strategies import multi_worker
-from tfpar.strategies import parameter_server
-from tfpar.strategies import pipeline
-from tfpar.strategies import tower
-from tfpar.strategies.base import StrategyPlugin
+from tfpar.parallel import distribute
+from tfpar.parallel import multi_worker
+from tfpar.parallel import parameter_server
+from tfpar.parallel import pipeline
+from tfpar.parallel import tower
+from tfpar.parallel.base import StrategyPlugin
 
 # name -> builder(DistConfig) -> StrategyPlugin
 STRATEGIES: dict[str, Callable[[DistConfig], StrategyPlugin]] = {

@@ -1,7 +1,7 @@
 """How much the pipeline's micro-batches overlap: step time for M = 1, 2, 4, 8.
 
-    python -m tfpar.bench_pipeline                      # 2 logical CPUs, prints a table
-    python -m tfpar.bench_pipeline --micro-batches 1,2,4,8,16 --hidden-dim 512
+    python -m tfpar.tools.bench_pipeline                      # 2 logical CPUs, prints a table
+    python -m tfpar.tools.bench_pipeline --micro-batches 1,2,4,8,16 --hidden-dim 512
 
 For each M, :func:`pipeline_sweep` trains the same model on the same fixed batch with the
 pipeline plug-in (stages on two devices) and reports the median step time next to the
@@ -49,8 +49,8 @@ def _train_step(stages: str, micro_batches: int, model_config, vocab_size: int, 
     import keras
 
     from tfpar.config import DistConfig
-    from tfpar.model import build_model
-    from tfpar.strategies import build_strategy
+    from tfpar.model.lm import build_model
+    from tfpar.parallel import build_strategy
 
     plugin = build_strategy(DistConfig(strategy="pipeline", stages=stages,
                                        micro_batches=micro_batches))
@@ -64,14 +64,14 @@ def _train_step(stages: str, micro_batches: int, model_config, vocab_size: int, 
 
 def _one_device(stages: str) -> str:
     """The same parts, every one on the first device named in ``stages``."""
-    from tfpar.strategies.pipeline import parse_stages
+    from tfpar.parallel.pipeline import parse_stages
 
     spec = parse_stages(stages)
     first = next(iter(spec.values()))
     return ",".join(f"{part}={first}" for part in spec)
 
 
-# A pipeline op's name: its stage, direction and micro-batch (see tfpar.strategies.pipeline).
+# A pipeline op's name: its stage, direction and micro-batch (see tfpar.parallel.pipeline).
 _PIECE = re.compile(r"^(?:gradient_tape/)?stage_(\d+)/(?:forward|backward)_mb_(\d+)/")
 
 
@@ -146,7 +146,7 @@ def pipeline_sweep(micro_batches: Sequence[int] = (1, 2, 4, 8), *,
     Every configuration is built and traced first; then ``rounds`` rounds each time
     ``steps`` steps of every configuration in turn, so a load change on a shared host
     hits all of them alike. TensorFlow's logical CPU devices must exist already
-    (``tfpar.devices.configure_cpu_devices``).
+    (``tfpar.parallel.devices.configure_cpu_devices``).
 
     Args:
       micro_batches: the values of M to time (1 should be among them).
@@ -246,7 +246,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m tfpar.bench_pipeline",
+        prog="python -m tfpar.tools.bench_pipeline",
         description="Time the pipeline strategy's train step for several numbers of "
                     "micro-batches, next to GPipe's bubble fraction (S-1)/(M+S-1), and "
                     "against the same micro-batches with every stage on one device.")
@@ -276,7 +276,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from tfpar.cli import run_main, setup_logging
+    from tfpar.tools.cli import run_main, setup_logging
 
     args = parser().parse_args(argv)
     setup_logging(False)
@@ -285,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ms = _int_list(args.micro_batches)
         import tensorflow as tf
 
-        from tfpar import devices
+        from tfpar.parallel import devices
 
         # Before anything runs on TensorFlow: threads and the logical device split.
         tf.config.threading.set_inter_op_parallelism_threads(args.inter_op_threads)

@@ -1,6 +1,6 @@
 """``train_and_evaluate(config)``: wires data, model, strategy, checkpoints and summaries.
 
-The loop talks to a strategy only through ``tfpar.strategies.base.StrategyPlugin``, so a
+The loop talks to a strategy only through ``tfpar.parallel.base.StrategyPlugin``, so a
 new strategy is a new plug-in, not a change here. A run:
 
 1. loads the corpus and builds (or, when resuming, reloads) the vocabulary;
@@ -28,16 +28,18 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpar import checkpoints, summaries
+from tfpar.training import checkpoints
+
+from tfpar.training import summaries
 from tfpar.config import Config
-from tfpar.data import LoadedCorpus, load_corpus
+from tfpar.data.sources import LoadedCorpus, load_corpus
 from tfpar.errors import ConfigError, Interrupted, TrainingError
-from tfpar.input_pipeline import InputData
-from tfpar.losses import perplexity
-from tfpar.model import build_model
-from tfpar.strategies import build_strategy
-from tfpar.strategies.base import StrategyPlugin
-from tfpar.vocab import Vocab
+from tfpar.data.pipeline import InputData
+from tfpar.objective.losses import perplexity
+from tfpar.model.lm import build_model
+from tfpar.parallel import build_strategy
+from tfpar.parallel.base import StrategyPlugin
+from tfpar.data.vocab import Vocab
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +197,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     writer.scalars("eval", {"final_test_perplexity": metrics["test_ppl"]},
                    int(optimizer.iterations.numpy()))
     if config.run.export and plugin.is_chief:
-        from tfpar import export
+        from tfpar.serving import export
 
         metrics["export_path"] = export.export_model(model, vocab, config)
     _report(metrics)

@@ -19,7 +19,7 @@ masking, states and config) with only the inner loop replaced:
 With the PTB "small" sizes (batch 20, 35 steps, 200 units, 2 layers) forward + backward
 of the stack takes 42 ms instead of Keras' 75 ms. Most of what is left is TF's per-op
 overhead inside the loops (~14 small ops per time step), so when a step is traced with a
-fixed shape (stream mode) the loops are XLA-compiled (:mod:`tfpar.xla`): 33 ms, one
+fixed shape (stream mode) the loops are XLA-compiled (:mod:`tfpar.model.xla`): 33 ms, one
 compilation; with varying shapes (sentence buckets) they stay plain ``tf.while_loop``s,
 never compiled per bucket. Anything the fast path does not cover (recurrent dropout, other
 activations, ``go_backwards``, ``unroll``, no bias, GRU ``reset_after=False``) falls back
@@ -38,7 +38,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfpar.xla import when_shapes_fixed
+from tfpar.model.xla import when_shapes_fixed
 
 # ----------------------------------------------------------------------------- helpers
 def _time_major_mask(mask, dtype) -> tf.Tensor | None:

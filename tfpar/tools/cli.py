@@ -165,7 +165,7 @@ def _int_list(flag: str, text: str, count: int | None = None) -> tuple[int, ...]
 
 def config_from_args(a: argparse.Namespace) -> cfg.Config:
     """Builds and validates the Config the flags describe."""
-    from tfpar.devices import parse_device_list
+    from tfpar.parallel.devices import parse_device_list
 
     s_train, s_valid, s_test = _int_list("--synthetic-sentences", a.synthetic_sentences, 3)
     profile = _int_list("--profile-steps", a.profile_steps)
@@ -244,9 +244,9 @@ def setup_logging(verbose: bool = False) -> None:
 
 def prepare_runtime(dist: cfg.DistConfig) -> None:
     """Logical CPU devices and placement options; must run before TF initialises."""
-    from tfpar import devices
-    from tfpar.cluster import CLUSTER_STRATEGIES
-    from tfpar.strategies import cpu_devices_needed
+    from tfpar.parallel import devices
+    from tfpar.parallel.cluster import CLUSTER_STRATEGIES
+    from tfpar.parallel import cpu_devices_needed
 
     # First: TF reads the placement log setting only when its runtime initialises (and
     # configure_cpu_devices initialises it); set later, the log stays silent.
@@ -282,7 +282,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     def body():
         config = config_from_args(args)
         prepare_runtime(config.dist)
-        from tfpar.train import train_and_evaluate
+        from tfpar.training.run import train_and_evaluate
 
         train_and_evaluate(config)
 

@@ -3,7 +3,7 @@
 Every worker process holds a copy of the variables and runs the same step as the
 ``mirrored`` plug-in; gradients, token counts and the global norm are all-reduced across
 all replicas of all workers with collective ops over gRPC. The step math is the mirrored
-one unchanged (:class:`~tfpar.strategies.distribute.DistributePlugin`), so a run matches
+one unchanged (:class:`~tfpar.parallel.distribute.DistributePlugin`), so a run matches
 single-process ``mirrored`` with the same global batch (``verify_parallel.py
 --strategies default,multi_worker:2``).
 
@@ -13,14 +13,14 @@ mean more worker processes (``launch_local.py --workers N``), not ``--cpu-device
 which TF's strategy has no public way to honour and is refused.
 
 Input. Every worker builds the same global batches and keeps the row slices of its own
-replicas (``tfpar.input_pipeline.per_replica`` with the strategy's ``InputContext``:
+replicas (``tfpar.data.pipeline.per_replica`` with the strategy's ``InputContext``:
 ``input_pipeline_id`` is the worker's place in the cluster, each worker owns
 ``num_replicas_in_sync / num_input_pipelines`` consecutive replica slots), so the union
 over workers is each global batch exactly once.
 
 The chief (the ``chief`` task, else worker 0) alone writes events, checkpoints, metrics
 and the export. Saving a checkpoint is a collective every worker must join, so the other
-workers save too, into temporary folders they delete (``tfpar.checkpoints``). Resuming
+workers save too, into temporary folders they delete (``tfpar.training.checkpoints``). Resuming
 needs ``--model-dir`` on storage every worker can read (the same folder on one machine).
 
 Keras 3's ``Model.fit`` is broken under this strategy (keras-team/keras#20585); this loop
@@ -40,11 +40,11 @@ import tempfile
 import numpy as np
 import tensorflow as tf
 
-from tfpar import cluster
-from tfpar import devices as devices_lib
+from tfpar.parallel import cluster
+from tfpar.parallel import devices as devices_lib
 from tfpar.config import DistConfig
 from tfpar.errors import ClusterError, ConfigError
-from tfpar.strategies.distribute import DistributePlugin
+from tfpar.parallel.distribute import DistributePlugin
 
 log = logging.getLogger(__name__)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -144,16 +144,16 @@ def verify_runner(setup, replicas: int):
     """``verify_parallel.py``'s runner: ``replicas`` worker processes on loopback.
 
     Each worker trains the verify setup (the parent's initial weights and clip norm) with
-    :func:`tfpar.verify.run_plugin`; the chief writes the result, which is read back here.
+    :func:`tfpar.tools.verify.run_plugin`; the chief writes the result, which is read back here.
     """
-    from tfpar.verify import RunResult
+    from tfpar.tools.verify import RunResult
 
     with tempfile.TemporaryDirectory(prefix="tfpar-verify-mw-") as work:
         with open(os.path.join(work, "spec.json"), "w", encoding="utf-8") as f:
             json.dump({"spec": dataclasses.asdict(setup.spec), "clip_norm": setup.clip_norm}, f)
         np.savez(os.path.join(work, "weights.npz"), *setup.initial_weights)
         code = (f"import sys; sys.path.insert(0, {REPO!r}); "
-                f"from tfpar.strategies.multi_worker import verify_task; verify_task({work!r})")
+                f"from tfpar.parallel.multi_worker import verify_task; verify_task({work!r})")
         status = cluster.run_job(lambda: cluster.plan_job("multi_worker", workers=replicas),
                                  lambda task: [sys.executable, "-c", code], out=sys.stderr)
         if status:
@@ -167,8 +167,8 @@ def verify_runner(setup, replicas: int):
 
 def verify_task(work: str) -> None:
     """One worker of :func:`verify_runner` (runs in a child process)."""
-    from tfpar import verify
-    from tfpar.cli import setup_logging
+    from tfpar.tools import verify
+    from tfpar.tools.cli import setup_logging
 
     setup_logging()
     with open(os.path.join(work, "spec.json"), encoding="utf-8") as f:

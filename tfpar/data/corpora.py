@@ -11,7 +11,7 @@ A corpus folder holds three UTF-8 text files, one sentence per line, named by on
     input/wikitext-2/wiki.{train,valid,test}.tokens
     my_corpus/{train,valid,test}.txt
 
-The generated ``synthetic`` corpus lives in ``tfpar.synthetic``, not here.
+The generated ``synthetic`` corpus lives in ``tfpar.data.synthetic``, not here.
 """
 
 from __future__ import annotations

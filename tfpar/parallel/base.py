@@ -2,8 +2,8 @@
 
 A plug-in owns four things: the devices (or the ``tf.distribute`` strategy) it runs on,
 turning a dataset function into its batches, one training step and one evaluation step.
-The per-replica math is shared (``tfpar.steps``); plug-ins differ only in placement and
-aggregation. The training loop (``tfpar.train``) talks only to this interface.
+The per-replica math is shared (``tfpar.objective.step``); plug-ins differ only in placement and
+aggregation. The training loop (``tfpar.training.run``) talks only to this interface.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Callable, Iterable
 
 import tensorflow as tf
 
-from tfpar.steps import StepOutput
+from tfpar.objective.step import StepOutput
 
 # dataset_fn(input_context) -> per-replica tf.data.Dataset; input_context is a
 # tf.distribute.InputContext, or None for plug-ins that split global batches themselves.

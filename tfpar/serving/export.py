@@ -24,7 +24,7 @@ Signatures (their names, inputs and outputs are the serving contract):
     out: ``text`` string [B], the continuation only (without the prompt), at most
          ``max_tokens`` words, ending before ``<eos>``. ``temperature`` 0 or ``top_k`` 1:
          greedy; ``top_k`` 0: no top-k cut. The same seed gives the same text
-         (see ``tfpar.sample``).
+         (see ``tfpar.serving.sample``).
 
 Tokenisation and vocabulary lookups run inside the graph; the vocabulary travels with
 the model as the asset ``vocab.txt`` (line number = id). Loading needs only TensorFlow:
@@ -42,12 +42,12 @@ import tempfile
 
 import tensorflow as tf
 
-from tfpar import sample
+from tfpar.serving import sample
 from tfpar.config import Config
 from tfpar.errors import CheckpointError
-from tfpar.losses import token_mask
-from tfpar.model import build_model
-from tfpar.vocab import EOS_ID, PAD_ID, UNK_ID, Vocab
+from tfpar.objective.losses import token_mask
+from tfpar.model.lm import build_model
+from tfpar.data.vocab import EOS_ID, PAD_ID, UNK_ID, Vocab
 
 log = logging.getLogger(__name__)
 SIGNATURES = ("serving_default", "score", "generate")

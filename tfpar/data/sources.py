@@ -29,10 +29,10 @@ def load_corpus(config: DataConfig, *, seed: int = 0) -> LoadedCorpus:
     """Reads or generates the corpus ``config.source`` names.
 
     Raises:
-      DataError: the source is missing, unreadable or empty (from ``tfpar.corpora``).
+      DataError: the source is missing, unreadable or empty (from ``tfpar.data.corpora``).
     """
     if config.source == "synthetic":
-        from tfpar import synthetic
+        from tfpar.data import synthetic
 
         spec = synthetic.SyntheticSpec(
             train_sentences=config.synthetic_train, valid_sentences=config.synthetic_valid,
@@ -42,7 +42,7 @@ def load_corpus(config: DataConfig, *, seed: int = 0) -> LoadedCorpus:
         splits = {"train": corpus.train, "valid": corpus.valid, "test": corpus.test}
         oracle = {s: corpus.oracle_perplexity(s) for s in SPLITS}
         return LoadedCorpus("synthetic", splits, oracle)
-    from tfpar import corpora
+    from tfpar.data import corpora
 
     corpus = corpora.load_text_corpus(
         config.source, input_dir=config.input_dir, tfds_data_dir=config.tfds_data_dir
