@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tfpar.tools import cli  # noqa: E402
-from tfpar.config import Config, DataConfig, DistConfig  # noqa: E402
+from tfpar.config import Config, DataConfig  # noqa: E402
 from tfpar.errors import CheckpointError, ConfigError  # noqa: E402
 
 SPLITS = ("train", "valid", "test")
@@ -53,18 +53,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def dist_config(args) -> DistConfig:
-    from tfpar.parallel.devices import parse_device_list
-
-    return DistConfig(strategy=args.strategy, devices=parse_device_list(args.devices),
-                      cpu_devices=args.cpu_devices, all_reduce=args.all_reduce,
-                      variable_device=args.variable_device, tower_reduce=args.tower_reduce,
-                      communication=args.communication, stages=args.stages,
-                      micro_batches=args.micro_batches,
-                      log_device_placement=args.log_device_placement,
-                      soft_placement=args.soft_placement)
-
-
 def stored_run(model_dir: str) -> tuple[Config, str]:
     """The run's config and the path of its vocabulary; CheckpointError if not a run."""
     from tfpar.training.checkpoints import CONFIG_FILE
@@ -89,16 +77,16 @@ def evaluate_model_dir(args) -> dict:
                    if v is not None}
     config = config.replace(data=data_fields)
     config = Config(data=config.data, model=config.model, train=config.train,
-                    dist=dist_config(args), run=config.run)
+                    dist=cli.dist_config_from_args(args), run=config.run)
     cli.prepare_runtime(config.dist)  # Logical CPU devices: before TensorFlow starts.
     import tensorflow as tf
 
-    from tfpar.data.sources import load_corpus
     from tfpar.data.pipeline import InputData
-    from tfpar.model.lm import build_model
-    from tfpar.parallel import build_strategy
-    from tfpar.training.run import evaluate
+    from tfpar.data.sources import load_corpus
     from tfpar.data.vocab import Vocab
+    from tfpar.parallel import build_strategy
+    from tfpar.training.loop import evaluate
+    from tfpar.training.state import build_train_state
 
     ckpt = tf.train.latest_checkpoint(os.path.join(args.model_dir, "checkpoints"))
     if not ckpt:
@@ -110,11 +98,12 @@ def evaluate_model_dir(args) -> dict:
         raise ConfigError(f"--batch-size {batch} is smaller than the {plugin.num_replicas} "
                           f"replicas of --strategy {plugin.name}; use >= {plugin.num_replicas}")
     vocab = Vocab.load(vocab_path)
-    with plugin.scope():
-        model = build_model(config.model, len(vocab), seed=config.train.seed)
+    state = build_train_state(plugin.scope(), config.model, len(vocab),
+                              seed=config.train.seed)
+    model = state.model
     try:
-        tf.train.Checkpoint(model=model).restore(ckpt).expect_partial() \
-            .assert_existing_objects_matched()
+        tf.train.Checkpoint(params=state.trackables()["params"]).restore(ckpt) \
+            .expect_partial().assert_existing_objects_matched()
     except (AssertionError, ValueError, tf.errors.OpError) as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"checkpoint {ckpt!r} does not fit the model its config.json "

@@ -123,6 +123,13 @@ def shard_rows(batch: dict, num_shards: int, index: int | tf.Tensor) -> dict:
     }
 
 
+def state_rows(state: tf.Tensor, start: tf.Tensor, size: tf.Tensor) -> tf.Tensor:
+    """Rows ``start:start+size`` of a [B, H] recurrent state: the state of the shard
+    ``shard_bounds`` gives; one zero row when ``size`` is 0 (its padding row)."""
+    return tf.cond(size > 0, lambda: state[start:start + size],
+                   lambda: tf.zeros(tf.concat([[1], tf.shape(state)[1:]], 0), state.dtype))
+
+
 def _pad_row(value: tf.Tensor) -> tf.Tensor:
     shape = tf.concat([[1], tf.shape(value)[1:]], axis=0)
     return tf.fill(shape, tf.constant(PAD_ID, value.dtype))

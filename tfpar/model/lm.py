@@ -9,6 +9,8 @@ carry it across windows and generation can feed one token at a time.
 
 from __future__ import annotations
 
+import random
+
 import keras
 import tensorflow as tf
 
@@ -164,4 +166,18 @@ def build_model(config: ModelConfig, vocab_size: int, *, seed: int = 0) -> RNNLa
     keras.utils.set_random_seed(seed)
     model = RNNLanguageModel(config, vocab_size, seed=seed, name="rnn_lm")
     model(tf.zeros([1, 1], tf.int32))
+    return model
+
+
+def detached_copy(config: ModelConfig, vocab_size: int, *, seed: int = 0) -> RNNLanguageModel:
+    """The architecture again, with its own variables (call outside any strategy scope),
+    without touching the global seeds training relies on (``build_model`` would reset
+    them): only Python's ``random`` is drawn from, for Keras's default initializers, and
+    it is restored. For copies that evaluate, inspect or export a trained model."""
+    state = random.getstate()
+    try:
+        model = RNNLanguageModel(config, vocab_size, seed=seed, name="rnn_lm")
+        model(tf.zeros([1, 1], tf.int32))
+    finally:
+        random.setstate(state)
     return model

@@ -1,16 +1,35 @@
-"""The per-replica step math every strategy shares.
+"""The training step, written once: what a replica computes and the one update.
 
-A strategy decides *where* these run and *how* their results are combined; what a
-replica computes is only here. One replica's gradient is the gradient of
-``nll_sum / global_token_count`` on its rows, so the sum of the replicas' gradients is the
-gradient a single device computes on the whole global batch, however unevenly the tokens
-are spread.
+Every strategy runs these functions; a strategy contributes only *placement* (where each
+replica's rows run) and *aggregation* (how the replicas' gradients become one)::
+
+    global batch [B, T] --(placement: the strategy splits rows)--> replica r: rows b_r
+    replica r     nll_r, n_r = loss(model(b_r))                     (forward)
+                  N = n_0 + ... + n_{R-1}                           (token count, summed)
+                  g_r = d(nll_r / N) / d(theta)                     (replica_gradients)
+    aggregation   g = g_0 + ... + g_{R-1}                           (the strategy's reduce)
+    update        |g| = global norm;  c = clip / max(|g|, clip)     (here, once)
+                  if |g| is finite: theta <- optimizer(c * g)       else: nothing changes
+
+Because each replica differentiates ``nll_r / N`` with ``N`` the *global* count, the plain
+sum of the replicas' gradients is the gradient one device computes on the whole batch,
+however unevenly the real tokens are spread. Clipping uses the norm of that sum, which is
+what one device clips by, and a non-finite norm skips the whole update (weights, optimizer
+slots and the step counter stay bit-identical), so a bad batch never reaches the weights
+under any strategy; the loop then stops or goes on, per ``--on-nan``.
+
+A strategy plug-in (``tfpar.parallel.base.StrategyPlugin``) offers three methods that
+:func:`make_train_step` and :func:`make_eval_step` compose:
+
+* ``gradients(model, batch, state) -> Aggregated``: placement + aggregation;
+* ``apply(optimizer, variables, grads, factor)``: applies ``factor * grads`` once;
+* ``losses(model, batch, state) -> (nll_sum, count, state)``: placement for evaluation.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
@@ -29,6 +48,23 @@ class StepOutput:
     state: Any = None
 
 
+@dataclasses.dataclass
+class Aggregated:
+    """A strategy's aggregated gradient, before the update.
+
+    ``grads`` is in the form the same strategy's ``apply`` takes: one tensor per
+    trainable variable (tower, pipeline), or per-replica values that the optimizer
+    all-reduces as it applies them (``tf.distribute``). ``norm`` is always the global norm
+    of the *summed* gradient.
+    """
+
+    grads: Any
+    norm: tf.Tensor  # float32 scalar
+    nll_sum: tf.Tensor  # float32 scalar, summed over replicas
+    count: tf.Tensor  # float32 scalar, real target tokens of the global batch
+    state: Any = None  # final recurrent state (already cut from the gradient tape)
+
+
 def as_step_output(step_fn):
     """Wraps a ``tf.function`` that returns a dict of StepOutput fields (tf.function cannot
     return a dataclass) so callers get a :class:`StepOutput`. The wrapped function stays
@@ -44,18 +80,21 @@ def as_step_output(step_fn):
 def forward(model, batch: dict, state=None, training: bool = False):
     """Runs the model on one batch.
 
+    Args:
+      batch: {"inputs": [b, T] int32, "targets": [b, T] int32}.
+      state: initial recurrent state (one list of [b, H] tensors per layer) or None.
+
     Returns:
-      ``(nll_sum, count, final_state)``; ``final_state`` is None when ``state`` is None
-      and the model is not asked to carry it.
+      ``(nll_sum, count, final_state)``, float32 scalars and the state structure.
     """
     logits, final = model(batch["inputs"], initial_state=state, training=training)
     nll_sum, count = losses.nll_sum_and_count(logits, batch["targets"])
     return nll_sum, count, final
 
 
-def loss_and_grads(model, batch: dict, global_count: tf.Tensor, state=None,
-                   training: bool = True):
-    """Gradients of ``nll_sum / global_count`` on this replica's rows.
+def replica_gradients(model, batch: dict, global_count: tf.Tensor, state=None, *,
+                      training: bool = True, variables: Sequence | None = None):
+    """One replica's share: gradients of ``nll_sum / global_count`` on its rows.
 
     Args:
       model: the Keras model.
@@ -63,16 +102,24 @@ def loss_and_grads(model, batch: dict, global_count: tf.Tensor, state=None,
       global_count: real target tokens in the whole global batch (all replicas).
       state: initial recurrent state or None.
       training: dropout on.
+      variables: what to differentiate (default: ``model.trainable_variables``).
 
     Returns:
-      ``(grads, nll_sum, count, final_state)``.
+      ``(grads, nll_sum, count, final_state)``: dense gradients, one per variable, and
+      the final state cut from the tape (truncated BPTT: the next window starts there).
     """
+    variables = model.trainable_variables if variables is None else variables
     with tf.GradientTape() as tape:
         nll_sum, count, final = forward(model, batch, state, training)
         loss = nll_sum / tf.maximum(global_count, 1.0)
-    grads = tape.gradient(loss, model.trainable_variables)
+    grads = tape.gradient(loss, variables)
     grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-    return grads, nll_sum, count, final
+    return grads, nll_sum, count, detach_state(final)
+
+
+def detach_state(state):
+    """Stops gradients flowing into the previous window (truncated BPTT)."""
+    return None if state is None else tf.nest.map_structure(tf.stop_gradient, state)
 
 
 def clip_factor(global_norm: tf.Tensor, clip_norm: float) -> tf.Tensor:
@@ -82,17 +129,67 @@ def clip_factor(global_norm: tf.Tensor, clip_norm: float) -> tf.Tensor:
     return clip_norm / tf.maximum(global_norm, clip_norm)
 
 
-def detach_state(state):
-    """Stops gradients flowing into the previous window (truncated BPTT)."""
-    return tf.nest.map_structure(tf.stop_gradient, state)
+def update(norm: tf.Tensor, clip_norm: float, apply: Callable[[tf.Tensor], Any]) -> tf.Tensor:
+    """The update: ``apply(clip factor)`` when ``norm`` is finite, nothing otherwise.
 
+    Args:
+      norm: global norm of the aggregated gradient.
+      clip_norm: ``--clip-norm`` (0: no clipping).
+      apply: applies ``factor * gradient`` once (the strategy's ``apply``).
 
-def apply_if_finite(optimizer, grads, variables, global_norm: tf.Tensor) -> None:
-    """Applies ``grads`` unless ``global_norm`` is inf/NaN (for plug-ins that aggregate
-    gradients themselves, outside any ``tf.distribute`` replica context)."""
+    Returns:
+      A bool scalar: whether the update was applied.
+    """
+    factor = clip_factor(norm, clip_norm)
 
-    def apply():
-        optimizer.apply_gradients(zip(grads, variables))
+    def applied():
+        apply(factor)
         return tf.constant(True)
 
-    tf.cond(tf.math.is_finite(global_norm), apply, lambda: tf.constant(False))
+    # The condition sits outside any replica context: under tf.distribute a
+    # synchronisation point (the optimizer's all-reduce) may not live in replica control
+    # flow, so the strategy's apply calls strategy.run inside this branch.
+    return tf.cond(tf.math.is_finite(norm), applied, lambda: tf.constant(False))
+
+
+def make_train_step(plugin, model, optimizer, *, clip_norm: float):
+    """``step(batch, state=None) -> StepOutput``: one update of ``model`` under ``plugin``.
+
+    Args:
+      plugin: the strategy (``gradients`` and ``apply``, see the module docstring).
+      model: the model, built in the plug-in's scope.
+      optimizer: the Keras optimizer, built in the same scope.
+      clip_norm: clip the aggregated gradient to this global norm (0: no clipping).
+    """
+
+    @tf.function(reduce_retracing=True)
+    def train_step(batch, state=None):
+        agg = plugin.gradients(model, batch, state)
+        update(agg.norm, clip_norm,
+               lambda factor: plugin.apply(optimizer, model.trainable_variables, agg.grads,
+                                           factor))
+        return dict(nll_sum=agg.nll_sum, count=agg.count, grad_norm=agg.norm,
+                    state=agg.state)
+
+    return as_step_output(train_step)
+
+
+def make_eval_step(plugin, model):
+    """``step(batch, state=None) -> StepOutput`` without gradients (``grad_norm`` None)."""
+
+    @tf.function(reduce_retracing=True)
+    def eval_step(batch, state=None):
+        nll_sum, count, final = plugin.losses(model, batch, state)
+        return dict(nll_sum=nll_sum, count=count, state=final)
+
+    return as_step_output(eval_step)
+
+
+def run_steps(step_fn, batches, *, stream: bool):
+    """Yields ``step_fn``'s output for each batch; in stream mode each window starts from
+    the state the previous window ended in (the one place that state is carried)."""
+    state = None
+    for batch in batches:
+        out = step_fn(batch, state)
+        state = out.state if stream else None
+        yield out

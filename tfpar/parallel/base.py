@@ -1,9 +1,19 @@
-"""The interface every strategy plug-in implements.
+"""The interface every synchronous strategy plug-in implements.
 
-A plug-in owns four things: the devices (or the ``tf.distribute`` strategy) it runs on,
-turning a dataset function into its batches, one training step and one evaluation step.
-The per-replica math is shared (``tfpar.objective.step``); plug-ins differ only in placement and
-aggregation. The training loop (``tfpar.training.run``) talks only to this interface.
+A plug-in says *where* things run and *how* per-device gradients become one; what a
+step computes is written once, in ``tfpar.objective.step``. A plug-in owns:
+
+* its devices (or ``tf.distribute`` strategy) and the scope its variables are made in;
+* turning a dataset function into the batches its steps take (``distribute``);
+* ``gradients``: each replica's :func:`~tfpar.objective.step.replica_gradients` on its
+  rows, placed on its device, and their sum (the aggregation);
+* ``apply``: the aggregated gradient times the clip factor, applied once;
+* ``losses``: each replica's forward pass on its rows, summed (evaluation).
+
+The clip, the finite guard and the step function are not a plug-in's business:
+:meth:`make_train_step` and :meth:`make_eval_step` are the one step of
+``tfpar.objective.step``. Asynchronous parameter-server training is not a plug-in: it
+has no synchronous update to offer (``tfpar.parallel.parameter_server``).
 """
 
 from __future__ import annotations
@@ -14,7 +24,8 @@ from typing import Callable, Iterable
 
 import tensorflow as tf
 
-from tfpar.objective.step import StepOutput
+from tfpar.objective import step
+from tfpar.objective.step import Aggregated, StepOutput
 
 # dataset_fn(input_context) -> per-replica tf.data.Dataset; input_context is a
 # tf.distribute.InputContext, or None for plug-ins that split global batches themselves.
@@ -23,7 +34,7 @@ TrainStep = Callable[..., StepOutput]
 
 
 class StrategyPlugin(abc.ABC):
-    """One way of spreading training over devices."""
+    """One way of spreading a synchronous training step over devices."""
 
     #: Registry name, e.g. "mirrored".
     name: str = ""
@@ -43,56 +54,50 @@ class StrategyPlugin(abc.ABC):
         """Whether this process writes events, checkpoints, metrics and exports."""
         return True
 
-    def scope(self) -> contextlib.AbstractContextManager:
-        """Context in which the model and optimizer variables are created."""
-        return contextlib.nullcontext()
-
-    # -- Optional: cluster plug-ins (multi_worker, parameter_server) override these; the
-    # defaults describe one process that trains synchronously.
     @property
     def num_workers(self) -> int:
         """Processes that compute training steps."""
         return 1
 
-    @property
-    def is_server(self) -> bool:
-        """True in a task that only serves a cluster (a parameter-server job's worker and
-        ps tasks): the training loop calls :meth:`serve` instead of training."""
-        return False
-
-    def serve(self) -> None:
-        """Serves this task until the process is stopped (only when ``is_server``)."""
-        raise NotImplementedError(f"{self.name} has no server tasks")
+    def scope(self) -> contextlib.AbstractContextManager:
+        """Context in which the model and optimizer variables are created."""
+        return contextlib.nullcontext()
 
     def check_config(self, config) -> None:
         """Raises ``ConfigError`` for run settings this plug-in cannot honour."""
 
-    #: True when the train step only *schedules* work (parameter-server training): it
-    #: returns a future at once; the loop calls :meth:`join` before :meth:`fetch`-ing it.
-    asynchronous: bool = False
-
-    def distribute_to_workers(self, dataset_fn: DatasetFn):
-        """Asynchronous plug-ins: the training input, read by each worker on its own."""
-        raise NotImplementedError(f"{self.name} is not asynchronous")
-
-    def join(self) -> None:
-        """Waits until every scheduled step has finished (no-op when synchronous)."""
-
-    def fetch(self, output) -> StepOutput:
-        """A finished step's output as a :class:`StepOutput` (after :meth:`join`)."""
-        return output
+    def describe(self) -> str:
+        return f"{self.name}: {self.num_replicas} replica(s) on {', '.join(self.devices)}"
 
     @abc.abstractmethod
     def distribute(self, dataset_fn: DatasetFn) -> Iterable:
         """The batches of ``dataset_fn``, in the form this plug-in's steps take."""
 
+    # -- the step pieces (called while the one step is traced)
     @abc.abstractmethod
+    def gradients(self, model, batch, state) -> Aggregated:
+        """Placement and aggregation of one training step's gradients.
+
+        Args:
+          model: the model (variables made in :meth:`scope`).
+          batch: what :meth:`distribute` yields: {"inputs", "targets"} [B, T] int32.
+          state: the recurrent state :meth:`gradients` returned for the previous window
+            (stream mode), or None.
+        """
+
+    @abc.abstractmethod
+    def apply(self, optimizer, variables, grads, factor: tf.Tensor) -> None:
+        """Applies ``factor * grads`` (``grads`` from :meth:`gradients`) once."""
+
+    @abc.abstractmethod
+    def losses(self, model, batch, state) -> tuple:
+        """``(nll_sum, count, final_state)`` of the whole batch, without gradients."""
+
+    # -- the one step, wrapped around the pieces
     def make_train_step(self, model, optimizer, *, clip_norm: float) -> TrainStep:
-        """Returns ``step(batch, state) -> StepOutput`` that updates the model once."""
+        """``step(batch, state) -> StepOutput`` that updates the model once."""
+        return step.make_train_step(self, model, optimizer, clip_norm=clip_norm)
 
-    @abc.abstractmethod
     def make_eval_step(self, model) -> TrainStep:
-        """Returns ``step(batch, state) -> StepOutput`` without gradients (no grad_norm)."""
-
-    def describe(self) -> str:
-        return f"{self.name}: {self.num_replicas} replica(s) on {', '.join(self.devices)}"
+        """``step(batch, state) -> StepOutput`` without gradients (no grad_norm)."""
+        return step.make_eval_step(self, model)

@@ -1,15 +1,10 @@
 """Plug-ins built on ``tf.distribute``: default, one_device and mirrored.
 
-One replica step, run by ``strategy.run`` inside a ``tf.function``:
-
-1. all-reduce the replica's real-token count, so every replica knows the global count;
-2. gradients of ``nll_sum / global_count`` on the replica's rows (``tfpar.objective.step``);
-3. all-reduce a copy of the gradients, only to get the global norm of the *aggregated*
-   gradient, and with it the clip factor (Keras 3's ``clipnorm`` would clip each replica
-   before aggregation, which is not what one device does);
-4. hand each replica's own gradient times the clip factor to the Keras optimizer, whose
-   ``apply_gradients`` sums across replicas itself (handing it the reduced copy would sum
-   twice) -- unless the aggregated gradient is not finite, in which case nothing changes.
+Placement: ``strategy.run`` runs a replica's share of the one step
+(``tfpar.objective.step``) on each replica's device. Aggregation: the real-token count
+is all-reduced before the gradients (every replica divides by the global count), a copy
+of the gradients is all-reduced for the global norm of their sum, and the optimizer's
+``apply_gradients`` all-reduces the gradients themselves as it applies them.
 """
 
 from __future__ import annotations
@@ -19,8 +14,7 @@ import logging
 import tensorflow as tf
 
 from tfpar.parallel import devices as devices_lib
-from tfpar.objective import losses
-from tfpar.objective import step as steps
+from tfpar.objective import losses, step
 from tfpar.config import DistConfig
 from tfpar.errors import ConfigError
 from tfpar.parallel.base import StrategyPlugin
@@ -58,59 +52,41 @@ class DistributePlugin(StrategyPlugin):
         """The first replica's copy of a value that is equal on every replica."""
         return self.strategy.experimental_local_results(value)[0]
 
-    def make_train_step(self, model, optimizer, *, clip_norm):
-        strategy = self.strategy
+    def gradients(self, model, batch, state):
+        """Each replica's gradients of ``nll_sum / global_count`` on its rows.
 
-        def replica_grads(batch, state):
+        They stay per-replica: the Keras optimizer's ``apply_gradients`` sums them across
+        replicas itself (handing it a reduced copy would sum twice). The global norm of
+        the sum is needed before that, for the clip factor, so a copy is all-reduced
+        for it (Keras 3's ``clipnorm`` would clip each replica before aggregation, which
+        is not what one device does).
+        """
+
+        def replica(batch, state):
             ctx = tf.distribute.get_replica_context()
             global_count = ctx.all_reduce(SUM, losses.token_count(batch["targets"]))
-            grads, nll_sum, count, final = steps.loss_and_grads(
-                model, batch, global_count, state, training=True
-            )
+            grads, nll_sum, count, final = step.replica_gradients(
+                model, batch, global_count, state, training=True)
             norm = tf.linalg.global_norm(ctx.all_reduce(SUM, grads))
-            factor = steps.clip_factor(norm, clip_norm)
-            return [g * factor for g in grads], nll_sum, count, norm, steps.detach_state(final)
+            return grads, nll_sum, count, norm, final
 
-        def replica_apply(grads):
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        grads, nll, count, norm, final = self.strategy.run(replica, args=(batch, state))
+        return step.Aggregated(grads=grads, norm=self._local(norm), nll_sum=self._sum(nll),
+                               count=self._sum(count), state=final)
 
-        @tf.function(reduce_retracing=True)
-        def train_step(batch, state=None):
-            grads, nll, count, norm, final = strategy.run(replica_grads, args=(batch, state))
-            norm = self._local(norm)
-            # The update is skipped when the aggregated gradient is not finite, so a bad
-            # batch never reaches the weights (the loop then stops or moves on, per
-            # --on-nan). The condition must sit outside strategy.run: a synchronisation
-            # point (the optimizer's all-reduce) may not live inside replica control flow.
-            tf.cond(tf.math.is_finite(norm),
-                    lambda: strategy.run(replica_apply, args=(grads,)) or tf.no_op(),
-                    tf.no_op)
-            return dict(
-                nll_sum=strategy.reduce(SUM, nll, axis=None),
-                count=strategy.reduce(SUM, count, axis=None),
-                grad_norm=norm,
-                state=final,
-            )
+    def apply(self, optimizer, variables, grads, factor):
+        def replica(grads):
+            optimizer.apply_gradients(zip([g * factor for g in grads], variables))
 
-        return steps.as_step_output(train_step)
+        self.strategy.run(replica, args=(grads,))
 
-    def make_eval_step(self, model):
-        strategy = self.strategy
+    def losses(self, model, batch, state):
+        nll, count, final = self.strategy.run(
+            lambda b, s: step.forward(model, b, s, training=False), args=(batch, state))
+        return self._sum(nll), self._sum(count), final
 
-        def replica_step(batch, state):
-            nll_sum, count, final = steps.forward(model, batch, state, training=False)
-            return nll_sum, count, final
-
-        @tf.function(reduce_retracing=True)
-        def eval_step(batch, state=None):
-            nll, count, final = strategy.run(replica_step, args=(batch, state))
-            return dict(
-                nll_sum=strategy.reduce(SUM, nll, axis=None),
-                count=strategy.reduce(SUM, count, axis=None),
-                state=final,
-            )
-
-        return steps.as_step_output(eval_step)
+    def _sum(self, value):
+        return self.strategy.reduce(SUM, value, axis=None)
 
 
 def cross_device_ops(all_reduce: str, device_names: list[str]):

@@ -30,14 +30,9 @@ works (checked with 2 processes: both workers end with identical weights).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import os
-import sys
-import tempfile
 
-import numpy as np
 import tensorflow as tf
 
 from tfpar.parallel import cluster
@@ -47,7 +42,6 @@ from tfpar.errors import ClusterError, ConfigError
 from tfpar.parallel.distribute import DistributePlugin
 
 log = logging.getLogger(__name__)
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # TensorFlow configures a process's collectives once, so the strategy is built once per
 # process: building the plug-in again (same TF_CONFIG and options) returns the first one.
@@ -137,52 +131,3 @@ def build_multi_worker(dist: DistConfig) -> MultiWorkerPlugin:
                            "strategy first") from None
     _BUILT[key] = MultiWorkerPlugin(strategy, config)
     return _BUILT[key]
-
-
-# ----------------------------------------------------------------------------- verify
-def verify_runner(setup, replicas: int):
-    """``verify_parallel.py``'s runner: ``replicas`` worker processes on loopback.
-
-    Each worker trains the verify setup (the parent's initial weights and clip norm) with
-    :func:`tfpar.tools.verify.run_plugin`; the chief writes the result, which is read back here.
-    """
-    from tfpar.tools.verify import RunResult
-
-    with tempfile.TemporaryDirectory(prefix="tfpar-verify-mw-") as work:
-        with open(os.path.join(work, "spec.json"), "w", encoding="utf-8") as f:
-            json.dump({"spec": dataclasses.asdict(setup.spec), "clip_norm": setup.clip_norm}, f)
-        np.savez(os.path.join(work, "weights.npz"), *setup.initial_weights)
-        code = (f"import sys; sys.path.insert(0, {REPO!r}); "
-                f"from tfpar.parallel.multi_worker import verify_task; verify_task({work!r})")
-        status = cluster.run_job(lambda: cluster.plan_job("multi_worker", workers=replicas),
-                                 lambda task: [sys.executable, "-c", code], out=sys.stderr)
-        if status:
-            raise ClusterError(f"the multi_worker:{replicas} verify job failed (status "
-                               f"{status}); its log is above")
-        with np.load(os.path.join(work, "result.npz")) as r:
-            weights = [r[f"w{i}"] for i in range(len(setup.initial_weights))]
-            return RunResult(weights, float(r["eval_nll"]), float(r["eval_count"]),
-                             [float(n) for n in r["grad_norms"]], float(r["seconds"]))
-
-
-def verify_task(work: str) -> None:
-    """One worker of :func:`verify_runner` (runs in a child process)."""
-    from tfpar.tools import verify
-    from tfpar.tools.cli import setup_logging
-
-    setup_logging()
-    with open(os.path.join(work, "spec.json"), encoding="utf-8") as f:
-        stored = json.load(f)
-    fields = stored["spec"]
-    fields["strategies"] = tuple(tuple(s) for s in fields["strategies"])
-    # The strategy before any TF op (see build_multi_worker); run_plugin gets the same one.
-    plugin = build_multi_worker(DistConfig(strategy="multi_worker"))
-    setup = verify.build_setup(verify.VerifySpec(**fields))
-    with np.load(os.path.join(work, "weights.npz")) as w:
-        weights = [w[f"arr_{i}"] for i in range(len(w.files))]
-    setup = dataclasses.replace(setup, initial_weights=weights, clip_norm=stored["clip_norm"])
-    result = verify.run_plugin(setup, DistConfig(strategy="multi_worker"))
-    if plugin.is_chief:
-        np.savez(os.path.join(work, "result.npz"), eval_nll=result.eval_nll,
-                 eval_count=result.eval_count, grad_norms=np.array(result.grad_norms),
-                 seconds=result.seconds, **{f"w{i}": w for i, w in enumerate(result.weights)})

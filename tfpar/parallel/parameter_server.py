@@ -4,7 +4,7 @@ Tasks (``TF_CONFIG``, see ``tfpar.parallel.cluster``): ``ps`` tasks hold the var
 tasks compute steps, and the ``chief`` is the coordinator: it runs the training loop,
 schedules steps, evaluates and writes checkpoints, events, metrics and the export.
 Worker and ps processes run ``scripts/train.py`` too, with the same flags; they only
-serve (:class:`ServerTask`) until they are stopped.
+serve (:class:`ServerTask`, chosen before anything else is built) until they are stopped.
 
 Asynchrony. The coordinator queues steps (``coordinator.schedule``); whichever worker is
 free takes the next one: it reads the current parameters from the ps tasks, computes
@@ -50,18 +50,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
 
 import tensorflow as tf
 
-from tfpar.parallel import cluster
-
-from tfpar.objective import step as steps
 from tfpar.config import DistConfig
-from tfpar.errors import ConfigError
-from tfpar.model.lm import RNNLanguageModel
-from tfpar.parallel.base import StrategyPlugin
+from tfpar.errors import ClusterError, ConfigError
+from tfpar.model.lm import detached_copy
+from tfpar.objective import losses, step
 from tfpar.objective.step import StepOutput
+from tfpar.parallel import cluster
 
 log = logging.getLogger(__name__)
 ShardedVariable = tf.__internal__.distribute.ShardedVariable
@@ -119,9 +116,9 @@ def shard_parts(variable) -> list:
 
 
 def loss_and_grads(model, batch: dict):
-    """Gradients of ``nll_sum / token_count`` of one whole batch (one worker's step), as
-    ``tfpar.objective.step.loss_and_grads`` computes them, but taken per shard of a partitioned
-    variable and concatenated (a Keras variable cannot be differentiated through a
+    """One worker's step on one whole batch: :func:`tfpar.objective.step.replica_gradients`
+    with the batch's own token count, taken per shard of a partitioned variable and
+    concatenated (a Keras variable cannot be differentiated through a
     ``ShardedVariable``).
 
     Args:
@@ -131,13 +128,12 @@ def loss_and_grads(model, batch: dict):
       ``(grads, nll_sum, count)``, one dense gradient per ``model.trainable_variables``.
     """
     parts = [shard_parts(v) for v in model.trainable_variables]
-    with tf.GradientTape() as tape:
-        nll_sum, count, _ = steps.forward(model, batch, None, training=True)
-        loss = nll_sum / tf.maximum(count, 1.0)
-    flat = tape.gradient(loss, [p for group in parts for p in group])
+    flat, nll_sum, count, _ = step.replica_gradients(
+        model, batch, losses.token_count(batch["targets"]), None, training=True,
+        variables=[p for group in parts for p in group])
     grads, i = [], 0
     for group in parts:
-        pieces = [tf.convert_to_tensor(g) for g in flat[i:i + len(group)]]
+        pieces = flat[i:i + len(group)]
         i += len(group)
         grads.append(pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=0))
     return grads, nll_sum, count
@@ -152,11 +148,17 @@ def apply_update(optimizer, grads, variables) -> None:
     optimizer.iterations.value.assign_add(1)
 
 
-class ParameterServerPlugin(StrategyPlugin):
-    """The coordinator's side of parameter-server training."""
+class Coordinator:
+    """The chief's side of parameter-server training: schedules steps, evaluates.
+
+    Not a :class:`~tfpar.parallel.base.StrategyPlugin`: there is no synchronous update
+    to place and aggregate. It offers what the asynchronous loop
+    (``tfpar.training.loop.AsyncLoop``) needs: a scope for the variables, per-worker input,
+    a step that schedules, ``join`` and ``fetch``, and an exact evaluation.
+    """
 
     name = "parameter_server"
-    asynchronous = True
+    is_chief = True
 
     def __init__(self, strategy: tf.distribute.ParameterServerStrategy,
                  coordinator: tf.distribute.coordinator.ClusterCoordinator,
@@ -218,7 +220,8 @@ class ParameterServerPlugin(StrategyPlugin):
         return iter(self.coordinator.create_per_worker_dataset(per_worker))
 
     # -- steps
-    def make_train_step(self, model, optimizer, *, clip_norm):
+    def make_schedule_step(self, model, optimizer, *, clip_norm):
+        """``schedule(iterator) -> future`` of one step's StepOutput fields."""
         strategy = self.strategy
         sharded = [v.path for v in model.trainable_variables if len(shard_parts(v)) > 1]
         log.info("variables on %d ps task(s); partitioned: %s", self.cluster.count("ps"),
@@ -228,45 +231,40 @@ class ParameterServerPlugin(StrategyPlugin):
         def replica_step(batch):
             grads, nll_sum, count = loss_and_grads(model, batch)
             norm = tf.linalg.global_norm(grads)
-            factor = steps.clip_factor(norm, clip_norm)
-
-            def update():
-                apply_update(optimizer, [g * factor for g in grads], model.trainable_variables)
-                return tf.constant(True)
-
-            # A non-finite gradient never reaches the parameters (nor the step count);
-            # the loop then stops or moves on, per --on-nan.
-            tf.cond(tf.math.is_finite(norm), update, lambda: tf.constant(False))
+            # The one update (clip, finite guard): a non-finite gradient never reaches
+            # the parameters, nor the step count.
+            step.update(norm, clip_norm, lambda factor: apply_update(
+                optimizer, [g * factor for g in grads], model.trainable_variables))
             return dict(nll_sum=nll_sum, count=count, grad_norm=norm)
 
         @tf.function
         def worker_step(iterator):
             return strategy.run(replica_step, args=(next(iterator),))
 
-        def step(iterator, state=None):
+        def schedule(iterator):
             """Schedules one step on a free worker; returns its future at once."""
             self._version += 1
             return self.coordinator.schedule(worker_step, args=(iterator,))
 
-        return step
+        return schedule
 
     def make_eval_step(self, model):
-        copy = local_copy(model)
+        copy = detached_copy(model.config, model.vocab_size)  # on the coordinator
         copied = [-1]  # the version of the parameters in ``copy``
 
         @tf.function(reduce_retracing=True)
         def eval_step(batch):
-            nll_sum, count, _ = steps.forward(copy, batch, None, training=False)
+            nll_sum, count, _ = step.forward(copy, batch, None, training=False)
             return dict(nll_sum=nll_sum, count=count)
 
-        def step(batch, state=None):
+        def evaluate(batch, state=None):
             if copied[0] != self._version:
                 self.join()
                 copy.set_weights(model.get_weights())
                 copied[0] = self._version
             return StepOutput(**eval_step(batch))
 
-        return step
+        return evaluate
 
     def join(self) -> None:
         self.coordinator.join()
@@ -275,47 +273,17 @@ class ParameterServerPlugin(StrategyPlugin):
         return StepOutput(**output.fetch())
 
 
-def local_copy(model: RNNLanguageModel) -> RNNLanguageModel:
-    """The model's architecture with variables on the coordinator (call outside any
-    strategy scope); Python's ``random`` (Keras's default initialisers draw from it) is
-    restored, so the copy leaves the run's seeds alone."""
-    state = random.getstate()
-    try:
-        copy = RNNLanguageModel(model.config, model.vocab_size, name="rnn_lm")
-        copy(tf.zeros([1, 1], tf.int32))
-    finally:
-        random.setstate(state)
-    return copy
-
-
-class ServerTask(StrategyPlugin):
+class ServerTask:
     """A worker or ps task of a parameter-server cluster: it serves, it does not train."""
-
-    name = "parameter_server"
 
     def __init__(self, config: cluster.ClusterConfig):
         self.cluster = config
-
-    @property
-    def is_server(self) -> bool:
-        return True
-
-    @property
-    def is_chief(self) -> bool:
-        return False
-
-    @property
-    def num_replicas(self) -> int:
-        return 0
-
-    @property
-    def devices(self) -> list[str]:
-        return []
 
     def describe(self) -> str:
         return f"parameter_server: {self.cluster.task_name} serving at {self.cluster.address}"
 
     def serve(self) -> None:
+        """Serves this task until the process is stopped."""
         cluster.check_port_free(self.cluster.address)
         server = tf.distribute.Server(
             tf.train.ClusterSpec({job: list(a) for job, a in self.cluster.cluster.items()}),
@@ -324,18 +292,12 @@ class ServerTask(StrategyPlugin):
         log.info("%s serving; it runs until it is stopped", self.cluster.task_name)
         server.join()
 
-    def _not_here(self, *args, **kwargs):
-        raise RuntimeError(f"{self.cluster.task_name} of a parameter_server cluster only serves")
 
-    distribute = make_train_step = make_eval_step = _not_here
-
-
-def build_parameter_server(dist: DistConfig) -> StrategyPlugin:
-    """The coordinator plug-in on the chief; a :class:`ServerTask` on workers and ps tasks.
+def _cluster(dist: DistConfig) -> cluster.ClusterConfig:
+    """The parameter-server cluster TF_CONFIG describes, checked against ``dist``.
 
     Raises:
-      ClusterError: TF_CONFIG is unset or malformed, has no chief, workers or ps, or this
-        task's port is taken.
+      ClusterError: TF_CONFIG is unset or malformed, has no chief, workers or ps.
       ConfigError: --devices or --cpu-devices > 1 (a worker computes a step on its CPU:0
         or its GPU).
     """
@@ -347,8 +309,28 @@ def build_parameter_server(dist: DistConfig) -> StrategyPlugin:
                           "CPU; add workers (launch_local.py --workers N) instead")
     # Fail fast instead of hanging when a worker or ps task is gone (TF's recommendation).
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    return config
+
+
+def server_task(dist: DistConfig) -> ServerTask | None:
+    """This process's :class:`ServerTask` when it is a worker or ps task, else None (the
+    chief, which builds the :class:`Coordinator`)."""
+    config = _cluster(dist)
+    return None if config.task_type == "chief" else ServerTask(config)
+
+
+def build_coordinator(dist: DistConfig) -> Coordinator:
+    """The coordinator, on the chief of the cluster TF_CONFIG describes.
+
+    Raises:
+      ClusterError: see :func:`_cluster`; this task is not the chief, or its port is
+        taken.
+      ConfigError: see :func:`_cluster`.
+    """
+    config = _cluster(dist)
     if config.task_type != "chief":
-        return ServerTask(config)
+        raise ClusterError(f"{config.task_name} of a parameter_server cluster only serves; "
+                           "the coordinator runs on the chief task")
     cluster.check_port_free(config.address)
     # The steps the coordinator sends to workers leave their outputs on "/device:CPU:0",
     # which without soft placement matches the CPU of every task and fails.
@@ -362,4 +344,4 @@ def build_parameter_server(dist: DistConfig) -> StrategyPlugin:
         tf.distribute.cluster_resolver.TFConfigClusterResolver(),
         variable_partitioner=partitioner)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    return ParameterServerPlugin(strategy, coordinator, config)
+    return Coordinator(strategy, coordinator, config)

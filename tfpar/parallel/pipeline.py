@@ -60,11 +60,10 @@ import keras
 import tensorflow as tf
 
 from tfpar.parallel import devices as devices_lib
-from tfpar.objective import losses
-from tfpar.objective import step as steps
+from tfpar.objective import losses, step
 from tfpar.config import DistConfig
 from tfpar.errors import ConfigError
-from tfpar.data.pipeline import shard_bounds, shard_rows
+from tfpar.data.pipeline import shard_bounds, shard_rows, state_rows
 from tfpar.model.lm import EMBEDDING, SOFTMAX, rnn_name
 from tfpar.parallel.base import StrategyPlugin
 
@@ -311,6 +310,10 @@ class PipelinePlugin(StrategyPlugin):
         self.placement = placement
         self.micro_batches = micro_batches
         self._stages: list[Stage] | None = None
+        # Per bound model: each stage's weights, and id(weight) -> the stage that sums
+        # its gradient (the first that uses it: the tied softmax uses the embedding).
+        self._stage_vars: list[list] = []
+        self._owner: dict[int, int] = {}
 
     @property
     def num_replicas(self) -> int:
@@ -365,42 +368,54 @@ class PipelinePlugin(StrategyPlugin):
                     log.warning("weight %s lives on %s, not on its stage's %s (created "
                                 "outside the plug-in's scope?): read across devices",
                                 v.path, v.value.device, want)
+        self._stage_vars = [_stage_variables(model, s) for s in stages]
+        self._owner = _owners(model, self._stage_vars)
         return stages
 
-    # ------------------------------------------------------------------------ steps
     def make_train_step(self, model, optimizer, *, clip_norm):
-        self.bind(model)
-        stage_vars = [_stage_variables(model, s) for s in self.stages]
-        owner = _owners(model, stage_vars)
-
-        @tf.function(reduce_retracing=True)
-        def train_step(batch, state=None):
-            mbs = self._split(batch)
-            with tf.device(self.stages[-1].device), tf.name_scope("global_count"):
-                global_count = tf.maximum(losses.token_count(batch["targets"]), 1.0)
-            outs, tapes = self._forward_all(model, mbs, self._split_state(model, state, mbs),
-                                            global_count, training=True)
-            grads = self._backward_all(outs, tapes, stage_vars)
-            norm = self._clip_and_apply(model, optimizer, grads, owner, clip_norm)
-            return dict(nll_sum=self._sum_last(outs, "nll"),
-                        count=self._sum_last(outs, "count"), grad_norm=norm,
-                        state=self._join_state(model, outs, mbs, detach=True))
-
-        return steps.as_step_output(train_step)
+        self.bind(model)  # a --stages the model cannot honour fails here, not when traced
+        return super().make_train_step(model, optimizer, clip_norm=clip_norm)
 
     def make_eval_step(self, model):
         self.bind(model)
+        return super().make_eval_step(model)
 
-        @tf.function(reduce_retracing=True)
-        def eval_step(batch, state=None):
-            mbs = self._split(batch)
-            outs, _ = self._forward_all(model, mbs, self._split_state(model, state, mbs),
-                                        None, training=False)
-            return dict(nll_sum=self._sum_last(outs, "nll"),
-                        count=self._sum_last(outs, "count"),
-                        state=self._join_state(model, outs, mbs, detach=False))
+    # ------------------------------------------------------------------ step pieces
+    def gradients(self, model, batch, state):
+        """Forward wavefront, backward wavefront, each weight's gradients summed on its
+        stage; the global norm from one partial sum of squares per stage."""
+        self.bind(model)
+        mbs = self._split(batch)
+        with tf.device(self.stages[-1].device), tf.name_scope("global_count"):
+            global_count = tf.maximum(losses.token_count(batch["targets"]), 1.0)
+        outs, tapes = self._forward_all(model, mbs, self._split_state(model, state, mbs),
+                                        global_count, training=True)
+        grads, norm = self._accumulate(
+            model, self._backward_all(outs, tapes, self._stage_vars), self._owner)
+        return step.Aggregated(grads=grads, norm=norm, nll_sum=self._sum_last(outs, "nll"),
+                               count=self._sum_last(outs, "count"),
+                               state=self._join_state(model, outs, mbs, detach=True))
 
-        return steps.as_step_output(eval_step)
+    def apply(self, optimizer, variables, grads, factor):
+        """Each stage scales its own weights' gradients; every update runs where its
+        weight lives."""
+        owner = self._owner
+        scaled = list(grads)
+        for s in self.stages:
+            with tf.device(s.device), tf.name_scope(f"{s.scope}/clip"):
+                for i, v in enumerate(variables):
+                    if owner[id(v)] == s.index:
+                        scaled[i] = grads[i] * factor
+        with tf.name_scope("update"):  # TF runs each update where its weight lives.
+            optimizer.apply_gradients(zip(scaled, variables))
+
+    def losses(self, model, batch, state):
+        self.bind(model)
+        mbs = self._split(batch)
+        outs, _ = self._forward_all(model, mbs, self._split_state(model, state, mbs),
+                                    None, training=False)
+        return (self._sum_last(outs, "nll"), self._sum_last(outs, "count"),
+                self._join_state(model, outs, mbs, detach=False))
 
     def schedule(self) -> list[tuple[Stage, int]]:
         """(stage, micro-batch) in wavefront order: at tick t, stage k runs micro-batch
@@ -460,10 +475,9 @@ class PipelinePlugin(StrategyPlugin):
                 grads[id(v)].append(gv)
         return grads
 
-    def _clip_and_apply(self, model, optimizer, grads: dict, owner: dict,
-                        clip_norm: float) -> tf.Tensor:
-        """Sums each weight's gradients on its stage, clips by the global norm, applies
-        once; returns the norm before clipping."""
+    def _accumulate(self, model, grads: dict, owner: dict) -> tuple[list, tf.Tensor]:
+        """Sums each weight's gradients on its stage; returns them in
+        ``model.trainable_variables`` order, and the global norm of the sum."""
         summed, partials = {}, []
         for s in self.stages:
             mine = [v for v in model.trainable_variables if owner[id(v)] == s.index]
@@ -477,15 +491,7 @@ class PipelinePlugin(StrategyPlugin):
                                           for v in mine]))
         with tf.device(self.stages[0].device), tf.name_scope("global_norm"):
             norm = tf.sqrt(tf.add_n(partials))
-            factor = steps.clip_factor(norm, clip_norm)
-        for s in self.stages:
-            with tf.device(s.device), tf.name_scope(f"{s.scope}/clip"):
-                for v in model.trainable_variables:
-                    if owner[id(v)] == s.index:
-                        summed[id(v)] = summed[id(v)] * factor
-        with tf.name_scope("update"):  # TF runs each update where its weight lives.
-            optimizer.apply_gradients([(summed[id(v)], v) for v in model.trainable_variables])
-        return norm
+        return [summed[id(v)] for v in model.trainable_variables], norm
 
     def _sum_last(self, outs: dict, key: str) -> tf.Tensor:
         """The sum over micro-batches of the last stage's ``key`` ("nll", "count")."""
@@ -552,7 +558,7 @@ class PipelinePlugin(StrategyPlugin):
         for i in range(model.config.layers):
             with tf.device(self.placement.device_of(rnn_name(i))), \
                     tf.name_scope(f"split_state_{i}"):
-                out[i] = [[_state_rows(s, mb.start, mb.size) for s in state[i]] for mb in mbs]
+                out[i] = [[state_rows(s, mb.start, mb.size) for s in state[i]] for mb in mbs]
         return out
 
     def _join_state(self, model, outs: dict, mbs: list[_MicroBatch], *, detach: bool):
@@ -565,7 +571,7 @@ class PipelinePlugin(StrategyPlugin):
                 finals = [outs[stage.index, j]["finals"][i] for j in range(len(mbs))]
                 layer = [tf.concat([f[n][:mb.size] for f, mb in zip(finals, mbs)], axis=0)
                          for n in range(len(finals[0]))]
-            joined.append(steps.detach_state(layer) if detach else layer)
+            joined.append(step.detach_state(layer) if detach else layer)
         return joined
 
 
@@ -611,12 +617,6 @@ def _sum(grads: list):
     return tf.add_n(grads) if len(grads) > 1 else grads[0]
 
 
-def _state_rows(state: tf.Tensor, start: tf.Tensor, size: tf.Tensor) -> tf.Tensor:
-    """Rows ``start:start+size`` of a [B, H] state; one zero row when ``size`` is 0."""
-    return tf.cond(size > 0, lambda: state[start:start + size],
-                   lambda: tf.zeros(tf.concat([[1], tf.shape(state)[1:]], 0), state.dtype))
-
-
 def _same_device(a: str, b: str) -> bool:
     x, y = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
     return (x.device_type, x.device_index) == (y.device_type, y.device_index)
@@ -630,17 +630,3 @@ def build_pipeline(dist: DistConfig) -> PipelinePlugin:
       DeviceError: a stage device that does not exist on this host.
     """
     return PipelinePlugin(placement_from_config(dist), dist.micro_batches)
-
-
-# Micro-batches in verify_parallel.py: 3 does not divide its default batch of 10 rows.
-VERIFY_MICRO_BATCHES = 3
-
-
-def verify_runner(setup, replicas: int):
-    """``verify_parallel.py``'s runner: ``pipeline:N`` cuts the model into N stages on N
-    devices (:func:`even_stages`), with :data:`VERIFY_MICRO_BATCHES` micro-batches."""
-    from tfpar.tools.verify import replica_devices, run_plugin
-
-    stages = even_stages(setup.model_config.layers, list(replica_devices(replicas)))
-    return run_plugin(setup, DistConfig(strategy="pipeline", stages=stages,
-                                        micro_batches=VERIFY_MICRO_BATCHES))

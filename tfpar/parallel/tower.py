@@ -45,10 +45,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar.parallel import devices as devices_lib
-from tfpar.objective import losses
-from tfpar.objective import step as steps
+from tfpar.objective import losses, step
 from tfpar.config import DistConfig
-from tfpar.data.pipeline import shard_bounds, shard_rows
+from tfpar.data.pipeline import shard_bounds, shard_rows, state_rows
 from tfpar.parallel.base import StrategyPlugin
 from tfpar.parallel.distribute import mirrored_devices
 
@@ -83,61 +82,47 @@ class TowerPlugin(StrategyPlugin):
         return (f"{super().describe()}; variables on {self.variable_device}, "
                 f"{self.reduce} gradient reduction")
 
-    # -------------------------------------------------------------------------- steps
-    def make_train_step(self, model, optimizer, *, clip_norm):
-        var_device = self.variable_device
+    # -------------------------------------------------------------------- step pieces
+    def gradients(self, model, batch, state):
+        """Each tower's gradients on its own device, summed on the variable device."""
+        with tf.device(self.variable_device), tf.name_scope("split"):
+            global_count = losses.token_count(batch["targets"])
+            shards = self._split(batch, state)
+        grads, nlls, counts, finals = [], [], [], []
+        for i, (device, shard, shard_state, _) in enumerate(shards):
+            # The tape's backward ops are built inside the same device scope, so each
+            # tower's gradients are colocated with its forward ops.
+            with tf.device(device), tf.name_scope(f"tower_{i}"):
+                g, nll, count, final = step.replica_gradients(
+                    model, shard, global_count, shard_state, training=True)
+            grads.append(g)
+            nlls.append(nll)
+            counts.append(count)
+            finals.append(final)
+        total = self._combine(grads, [v.shape for v in model.trainable_variables])
+        with tf.device(self.variable_device), tf.name_scope("sum"):
+            return step.Aggregated(grads=total, norm=tf.linalg.global_norm(total),
+                                   nll_sum=tf.add_n(nlls), count=tf.add_n(counts),
+                                   state=self._join(finals, shards))
 
-        @tf.function(reduce_retracing=True)
-        def train_step(batch, state=None):
-            with tf.device(var_device), tf.name_scope("split"):
-                global_count = losses.token_count(batch["targets"])
-                shards = self._split(batch, state)
-            grads, nlls, counts, finals = [], [], [], []
-            for i, (device, shard, shard_state, _) in enumerate(shards):
-                # The tape's backward ops are built inside the same device scope, so each
-                # tower's gradients are colocated with its forward ops.
-                with tf.device(device), tf.name_scope(f"tower_{i}"):
-                    g, nll, count, final = steps.loss_and_grads(
-                        model, shard, global_count, shard_state, training=True
-                    )
-                grads.append(g)
-                nlls.append(nll)
-                counts.append(count)
-                finals.append(final)
-            total = self._combine(grads, [v.shape for v in model.trainable_variables])
-            with tf.device(var_device), tf.name_scope("update"):
-                norm = tf.linalg.global_norm(total)
-                factor = steps.clip_factor(norm, clip_norm)
-                # Once, and not at all when the gradient is inf/NaN (--on-nan).
-                steps.apply_if_finite(optimizer, [g * factor for g in total],
-                                      model.trainable_variables, norm)
-                return dict(
-                    nll_sum=tf.add_n(nlls), count=tf.add_n(counts), grad_norm=norm,
-                    state=self._join(finals, shards, detach=True),
-                )
+    def apply(self, optimizer, variables, grads, factor):
+        """Once, on the variable device; the Keras optimizer, used outside any
+        ``tf.distribute`` strategy, all-reduces nothing."""
+        with tf.device(self.variable_device), tf.name_scope("update"):
+            optimizer.apply_gradients(zip([g * factor for g in grads], variables))
 
-        return steps.as_step_output(train_step)
-
-    def make_eval_step(self, model):
-        var_device = self.variable_device
-
-        @tf.function(reduce_retracing=True)
-        def eval_step(batch, state=None):
-            with tf.device(var_device), tf.name_scope("split"):
-                shards = self._split(batch, state)
-            nlls, counts, finals = [], [], []
-            for i, (device, shard, shard_state, _) in enumerate(shards):
-                with tf.device(device), tf.name_scope(f"tower_{i}"):
-                    nll, count, final = steps.forward(model, shard, shard_state,
-                                                      training=False)
-                nlls.append(nll)
-                counts.append(count)
-                finals.append(final)
-            with tf.device(var_device), tf.name_scope("sum"):
-                return dict(nll_sum=tf.add_n(nlls), count=tf.add_n(counts),
-                            state=self._join(finals, shards, detach=False))
-
-        return steps.as_step_output(eval_step)
+    def losses(self, model, batch, state):
+        with tf.device(self.variable_device), tf.name_scope("split"):
+            shards = self._split(batch, state)
+        nlls, counts, finals = [], [], []
+        for i, (device, shard, shard_state, _) in enumerate(shards):
+            with tf.device(device), tf.name_scope(f"tower_{i}"):
+                nll, count, final = step.forward(model, shard, shard_state, training=False)
+            nlls.append(nll)
+            counts.append(count)
+            finals.append(final)
+        with tf.device(self.variable_device), tf.name_scope("sum"):
+            return tf.add_n(nlls), tf.add_n(counts), self._join(finals, shards)
 
     # ---------------------------------------------------------------- split and join
     def _split(self, batch: dict, state):
@@ -154,22 +139,21 @@ class TowerPlugin(StrategyPlugin):
         for i, device in enumerate(self._devices):
             start, size = shard_bounds(rows, n, i)
             shard_state = None if state is None else tf.nest.map_structure(
-                lambda s, start=start, size=size: _state_rows(s, start, size), state
+                lambda s, start=start, size=size: state_rows(s, start, size), state
             )
             out.append((device, shard_rows(batch, n, i), shard_state, size))
         return out
 
     @staticmethod
-    def _join(finals: list, shards: list, *, detach: bool):
+    def _join(finals: list, shards: list):
         """The towers' final states concatenated back into the global [B, H] structure."""
         if finals[0] is None:
             return None
         sizes = [size for _, _, _, size in shards]
-        joined = tf.nest.map_structure(
+        return tf.nest.map_structure(
             lambda *parts: tf.concat([p[:size] for p, size in zip(parts, sizes)], axis=0),
             *finals,
         )
-        return steps.detach_state(joined) if detach else joined
 
     # -------------------------------------------------------------------- reduction
     def _combine(self, tower_grads: list[list[tf.Tensor]], shapes: list) -> list[tf.Tensor]:
@@ -235,12 +219,6 @@ def ring_all_reduce(vectors: list[tf.Tensor], device_names: list[str]) -> list[t
         with tf.device(device), tf.name_scope(f"ring_concat_{i}"):
             out.append(tf.concat(chunks[i], axis=0))
     return out
-
-
-def _state_rows(state: tf.Tensor, start: tf.Tensor, size: tf.Tensor) -> tf.Tensor:
-    """Rows ``start:start+size`` of a [B, H] state; one zero row when ``size`` is 0."""
-    return tf.cond(size > 0, lambda: state[start:start + size],
-                   lambda: tf.zeros(tf.concat([[1], tf.shape(state)[1:]], 0), state.dtype))
 
 
 def _same_device_index(device: str, device_names: list[str]) -> int:

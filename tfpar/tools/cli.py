@@ -1,7 +1,8 @@
 """Command-line plumbing shared by the scripts: flags → Config, logging, error handling.
 
-Nothing here imports TensorFlow at module level: scripts must split the CPU into logical
-devices (and set TF's log level) before TensorFlow initialises.
+Nothing here imports TensorFlow at module level (the imports of tfpar's TF modules sit in
+the functions that need them): scripts must set TF's log level before TensorFlow is
+imported and split the CPU into logical devices before it initialises.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from tfpar.errors import ConfigError, TfparError
 def add_distribution_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("distribution")
     g.add_argument("--strategy", default="default",
-                   help="default | one_device | mirrored | tower | pipeline | multi_worker | "
-                        "parameter_server (default: %(default)s)")
+                   help="default | one_device | mirrored | tower | pipeline | parallel_do | "
+                        "multi_worker | parameter_server (default: %(default)s)")
     g.add_argument("--devices", default="",
                    help="comma-separated devices, e.g. /gpu:0,/gpu:1 or /cpu:0,/cpu:1 "
                         "(default: all GPUs, else logical CPU devices)")
@@ -163,10 +164,23 @@ def _int_list(flag: str, text: str, count: int | None = None) -> tuple[int, ...]
     return values
 
 
-def config_from_args(a: argparse.Namespace) -> cfg.Config:
-    """Builds and validates the Config the flags describe."""
+def dist_config_from_args(a: argparse.Namespace) -> cfg.DistConfig:
+    """The DistConfig of :func:`add_distribution_flags`' flags (every script that takes
+    them)."""
     from tfpar.parallel.devices import parse_device_list
 
+    return cfg.DistConfig(
+        strategy=a.strategy, devices=parse_device_list(a.devices),
+        cpu_devices=a.cpu_devices, all_reduce=a.all_reduce,
+        intra_op_threads=a.intra_op_threads,
+        variable_device=a.variable_device, tower_reduce=a.tower_reduce,
+        communication=a.communication, stages=a.stages, micro_batches=a.micro_batches,
+        log_device_placement=a.log_device_placement, soft_placement=a.soft_placement,
+    )
+
+
+def config_from_args(a: argparse.Namespace) -> cfg.Config:
+    """Builds and validates the Config the flags describe."""
     s_train, s_valid, s_test = _int_list("--synthetic-sentences", a.synthetic_sentences, 3)
     profile = _int_list("--profile-steps", a.profile_steps)
     if profile and (len(profile) != 2 or not 0 < profile[0] <= profile[1]):
@@ -191,14 +205,7 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
             eval_batch_size=a.eval_batch_size, seed=a.seed, deterministic=a.deterministic,
             on_nan=a.on_nan,
         ),
-        dist=cfg.DistConfig(
-            strategy=a.strategy, devices=parse_device_list(a.devices),
-            cpu_devices=a.cpu_devices, all_reduce=a.all_reduce,
-            intra_op_threads=a.intra_op_threads,
-            variable_device=a.variable_device, tower_reduce=a.tower_reduce,
-            communication=a.communication, stages=a.stages, micro_batches=a.micro_batches,
-            log_device_placement=a.log_device_placement, soft_placement=a.soft_placement,
-        ),
+        dist=dist_config_from_args(a),
         run=cfg.RunConfig(
             model_dir=a.model_dir, export_dir=a.export_dir, export_name=a.export_name,
             export=not a.no_export, checkpoint_every=a.checkpoint_every,
@@ -244,9 +251,8 @@ def setup_logging(verbose: bool = False) -> None:
 
 def prepare_runtime(dist: cfg.DistConfig) -> None:
     """Logical CPU devices and placement options; must run before TF initialises."""
-    from tfpar.parallel import devices
+    from tfpar.parallel import cpu_devices_needed, devices
     from tfpar.parallel.cluster import CLUSTER_STRATEGIES
-    from tfpar.parallel import cpu_devices_needed
 
     # First: TF reads the placement log setting only when its runtime initialises (and
     # configure_cpu_devices initialises it); set later, the log stays silent.

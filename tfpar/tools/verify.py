@@ -19,6 +19,8 @@ import itertools
 import json
 import logging
 import os
+import sys
+import tempfile
 import time
 from typing import Callable, Sequence
 
@@ -26,18 +28,22 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpar.parallel import devices as devices_lib
-from tfpar.objective import step as steps
-from tfpar.data import synthetic
-from tfpar.tools.cli import run_main, setup_logging
 from tfpar.config import MODES, DataConfig, DistConfig, ModelConfig
-from tfpar.errors import ConfigError
+from tfpar.data import synthetic
 from tfpar.data.pipeline import InputData
-from tfpar.objective.losses import perplexity, token_count
-from tfpar.model.lm import build_model
-from tfpar.parallel import build_strategy, multi_worker, pipeline
-from tfpar.training.run import evaluate
 from tfpar.data.vocab import Vocab
+from tfpar.errors import ClusterError, ConfigError
+from tfpar.model.lm import build_model
+from tfpar.objective import step
+from tfpar.objective.losses import perplexity, token_count
+from tfpar.objective.step import run_steps
+from tfpar.parallel import build_strategy, cluster, pipeline
+from tfpar.parallel import devices as devices_lib
+from tfpar.tools.cli import run_main, setup_logging
+from tfpar.training.loop import evaluate
+from tfpar.training.state import build_train_state
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +60,13 @@ class VerifySpec:
     batch_size: int = 10
     # "sentence" (bucketed, variable length) or "stream" (state carried across windows).
     mode: str = "sentence"
-    # Gradient clip norm; 0 picks half the first batch's gradient norm so clipping fires.
+    # Gradient clip norm; 0 picks the median gradient norm of the first ``steps`` batches
+    # at the initial weights, so some steps are clipped and some are not.
     clip_norm: float = 0.0
     # SGD learning rate (large, so that parameters move measurably in a few steps).
     lr: float = 0.5
+    # SGD momentum: the optimizer has a slot per weight, compared like the weights.
+    momentum: float = 0.5
     # Pass when max |param - default's| <= tolerance ...
     tolerance: float = 1e-5
     # ... and |ppl - default's ppl| / default's ppl <= eval_tolerance.
@@ -104,6 +113,9 @@ class Setup:
     def vocab_size(self) -> int:
         return len(self.data.vocab)
 
+    def make_optimizer(self) -> keras.optimizers.Optimizer:
+        return keras.optimizers.SGD(learning_rate=self.spec.lr, momentum=self.spec.momentum)
+
     def train_batches(self, plugin, epoch: int):
         return plugin.distribute(
             lambda ctx: self.data.batches("train", training=True, epoch=epoch,
@@ -122,6 +134,8 @@ class RunResult:
     # The aggregated gradient norm of every step (before clipping); empty if unknown.
     grad_norms: list[float] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+    # The optimizer's variables (step count, momentum slots) after the last step.
+    slots: list[np.ndarray] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +154,7 @@ class Row:
 
     strategy: str
     replicas: int
-    max_abs_param_diff: float
+    max_abs_param_diff: float  # over the weights and the optimizer's slots
     eval_ppl_rel_diff: float
     clipped_steps: int
     steps: int
@@ -173,21 +187,23 @@ def build_setup(spec: VerifySpec) -> Setup:
         weights = model.get_weights()
         clip = spec.clip_norm
         if not clip:
-            clip = 0.5 * first_gradient_norm(model, data, spec.batch_size)
+            clip = float(np.median(initial_gradient_norms(model, data, spec.batch_size,
+                                                          spec.steps)))
     return Setup(spec, data, model_config, weights, clip, clip_norm_auto=not spec.clip_norm)
 
 
-def first_gradient_norm(model, data: InputData, batch_size: int) -> float:
-    """The global gradient norm of the first training batch at the initial weights."""
-    batch = next(iter(data.batches("train", training=True, epoch=0, batch_size=batch_size)))
+def initial_gradient_norms(model, data: InputData, batch_size: int, count: int) -> list[float]:
+    """The global gradient norms of the first ``count`` training batches (epoch 0, in the
+    order training reads them) at the initial weights."""
+    batches = data.batches("train", training=True, epoch=0, batch_size=batch_size)
 
-    @tf.function  # Traced, like every train step (and the model's layers expect it).
+    @tf.function(reduce_retracing=True)  # Traced, like every train step.
     def norm(batch):
-        grads, *_ = steps.loss_and_grads(model, batch, token_count(batch["targets"]), None,
-                                         training=False)
+        grads, *_ = step.replica_gradients(model, batch, token_count(batch["targets"]), None,
+                                           training=False)
         return tf.linalg.global_norm(grads)
 
-    return float(norm(batch))
+    return [float(norm(batch)) for batch in batches.take(count)]
 
 
 # ------------------------------------------------------------------------- runners
@@ -196,27 +212,25 @@ def run_plugin(setup: Setup, dist: DistConfig) -> RunResult:
     valid with its own distributed eval step: the code path ``scripts/train.py`` runs."""
     start = time.perf_counter()
     plugin = build_strategy(dist)
-    with plugin.scope():
-        model = build_model(setup.model_config, setup.vocab_size, seed=setup.spec.seed)
-        model.set_weights(setup.initial_weights)
-        optimizer = keras.optimizers.SGD(learning_rate=setup.spec.lr)
-        optimizer.build(model.trainable_variables)
-    train_step = plugin.make_train_step(model, optimizer, clip_norm=setup.clip_norm)
-    stream = setup.spec.mode == "stream"
+    state = build_train_state(plugin.scope(), setup.model_config, setup.vocab_size,
+                              seed=setup.spec.seed, initial_weights=setup.initial_weights,
+                              make_optimizer=lambda epoch: setup.make_optimizer())
+    train_step = plugin.make_train_step(state.model, state.optimizer,
+                                        clip_norm=setup.clip_norm)
     norms: list[float] = []
     for epoch in itertools.count():
-        state = None
-        for batch in setup.train_batches(plugin, epoch):
-            out = train_step(batch, state) if stream else train_step(batch)
-            state = out.state if stream else None
+        for out in run_steps(train_step, setup.train_batches(plugin, epoch),
+                             stream=setup.spec.mode == "stream"):
             norms.append(float(out.grad_norm))
             if len(norms) == setup.spec.steps:
                 break
         if len(norms) == setup.spec.steps:
             break
-    nll, count = evaluate(plugin, plugin.make_eval_step(model), setup.data, "valid",
+    nll, count = evaluate(plugin, plugin.make_eval_step(state.model), setup.data, "valid",
                           setup.spec.batch_size)
-    return RunResult(model.get_weights(), nll, count, norms, time.perf_counter() - start)
+    return RunResult(state.model.get_weights(), nll, count, norms,
+                     time.perf_counter() - start,
+                     slots=[v.numpy() for v in state.optimizer.variables])
 
 
 def replica_devices(replicas: int) -> tuple[str, ...]:
@@ -228,25 +242,81 @@ def run_default(setup: Setup, replicas: int) -> RunResult:
     return run_plugin(setup, DistConfig(strategy="default"))
 
 
-def run_mirrored(setup: Setup, replicas: int) -> RunResult:
-    return run_plugin(setup, DistConfig(strategy="mirrored", devices=replica_devices(replicas)))
-
-
-def _run_tower(reduce: str) -> Callable[[Setup, int], RunResult]:
+def on_devices(strategy: str, **options) -> Callable[[Setup, int], RunResult]:
+    """A runner for a one-process strategy on ``replicas`` devices."""
     def run(setup: Setup, replicas: int) -> RunResult:
-        return run_plugin(setup, DistConfig(strategy="tower", devices=replica_devices(replicas),
-                                            tower_reduce=reduce))
+        return run_plugin(setup, DistConfig(strategy=strategy,
+                                            devices=replica_devices(replicas), **options))
     return run
+
+
+# Micro-batches in verify_parallel.py: 3 does not divide its default batch of 10 rows.
+VERIFY_MICRO_BATCHES = 3
+
+
+def run_pipeline(setup: Setup, replicas: int) -> RunResult:
+    """``verify_parallel.py``'s runner: ``pipeline:N`` cuts the model into N stages on N
+    devices (:func:`even_stages`), with :data:`VERIFY_MICRO_BATCHES` micro-batches."""
+    stages = pipeline.even_stages(setup.model_config.layers, list(replica_devices(replicas)))
+    return run_plugin(setup, DistConfig(strategy="pipeline", stages=stages,
+                                        micro_batches=VERIFY_MICRO_BATCHES))
+
+
+def run_multi_worker(setup: Setup, replicas: int) -> RunResult:
+    """``verify_parallel.py``'s runner: ``replicas`` worker processes on loopback.
+
+    Each worker trains the verify setup (the parent's initial weights and clip norm) with
+    :func:`tfpar.tools.verify.run_plugin`; the chief writes the result, which is read back here.
+    """
+    with tempfile.TemporaryDirectory(prefix="tfpar-verify-mw-") as work:
+        with open(os.path.join(work, "spec.json"), "w", encoding="utf-8") as f:
+            json.dump({"spec": dataclasses.asdict(setup.spec), "clip_norm": setup.clip_norm}, f)
+        np.savez(os.path.join(work, "weights.npz"), *setup.initial_weights)
+        code = (f"import sys; sys.path.insert(0, {REPO!r}); "
+                f"from tfpar.tools.verify import multi_worker_task; multi_worker_task({work!r})")
+        status = cluster.run_job(lambda: cluster.plan_job("multi_worker", workers=replicas),
+                                 lambda task: [sys.executable, "-c", code], out=sys.stderr)
+        if status:
+            raise ClusterError(f"the multi_worker:{replicas} verify job failed (status "
+                               f"{status}); its log is above")
+        with np.load(os.path.join(work, "result.npz")) as r:
+            weights = [r[f"w{i}"] for i in range(len(setup.initial_weights))]
+            slots = [r[f"s{i}"] for i in range(int(r["num_slots"]))]
+            return RunResult(weights, float(r["eval_nll"]), float(r["eval_count"]),
+                             [float(n) for n in r["grad_norms"]], float(r["seconds"]), slots)
+
+
+def multi_worker_task(work: str) -> None:
+    """One worker of :func:`run_multi_worker` (runs in a child process)."""
+    setup_logging()
+    with open(os.path.join(work, "spec.json"), encoding="utf-8") as f:
+        stored = json.load(f)
+    fields = stored["spec"]
+    fields["strategies"] = tuple(tuple(s) for s in fields["strategies"])
+    # The strategy before any TF op (see build_multi_worker); run_plugin gets the same one.
+    plugin = build_strategy(DistConfig(strategy="multi_worker"))
+    setup = build_setup(VerifySpec(**fields))
+    with np.load(os.path.join(work, "weights.npz")) as w:
+        weights = [w[f"arr_{i}"] for i in range(len(w.files))]
+    setup = dataclasses.replace(setup, initial_weights=weights, clip_norm=stored["clip_norm"])
+    result = run_plugin(setup, DistConfig(strategy="multi_worker"))
+    if plugin.is_chief:
+        np.savez(os.path.join(work, "result.npz"), eval_nll=result.eval_nll,
+                 eval_count=result.eval_count, grad_norms=np.array(result.grad_norms),
+                 seconds=result.seconds, num_slots=len(result.slots),
+                 **{f"w{i}": w for i, w in enumerate(result.weights)},
+                 **{f"s{i}": s for i, s in enumerate(result.slots)})
 
 
 # name -> Runner. The reference is always "default".
 RUNNERS: dict[str, Runner] = {
     "default": Runner(run_default, default_replicas=1, max_replicas=1),
-    "mirrored": Runner(run_mirrored),
-    "tower": Runner(_run_tower("controller")),
-    "tower_ring": Runner(_run_tower("ring")),
-    "multi_worker": Runner(multi_worker.verify_runner),  # one worker process per replica
-    "pipeline": Runner(pipeline.verify_runner),  # N stages on N devices, 3 micro-batches
+    "mirrored": Runner(on_devices("mirrored")),
+    "tower": Runner(on_devices("tower", tower_reduce="controller")),
+    "tower_ring": Runner(on_devices("tower", tower_reduce="ring")),
+    "parallel_do": Runner(on_devices("parallel_do")),
+    "multi_worker": Runner(run_multi_worker),  # one worker process per replica
+    "pipeline": Runner(run_pipeline),  # N stages on N devices, 3 micro-batches
 }
 REFERENCE = "default"
 
@@ -289,7 +359,8 @@ def compare(spec: VerifySpec, setup: Setup, name: str, replicas: int, result: Ru
             reference: RunResult) -> Row:
     """One report row: ``result`` against ``reference`` (the default strategy's run)."""
     diff = max(float(np.max(np.abs(a - b))) if a.size else 0.0
-               for a, b in zip(result.weights, reference.weights))
+               for a, b in zip(result.weights + result.slots,
+                               reference.weights + reference.slots))
     ppl, ref_ppl = (perplexity(result.eval_nll, result.eval_count),
                     perplexity(reference.eval_nll, reference.eval_count))
     rel = abs(ppl - ref_ppl) / ref_ppl
@@ -302,6 +373,9 @@ def compare(spec: VerifySpec, setup: Setup, name: str, replicas: int, result: Ru
     if result.eval_count != reference.eval_count:
         failures.append(f"eval saw {result.eval_count:.0f} tokens, default "
                         f"{reference.eval_count:.0f}")
+    if len(result.slots) != len(reference.slots):
+        failures.append(f"{len(result.slots)} optimizer variables, default "
+                        f"{len(reference.slots)}")
     if len(result.grad_norms) not in (0, spec.steps):
         failures.append(f"trained {len(result.grad_norms)} steps, not {spec.steps}")
     clipped = sum(n > setup.clip_norm for n in result.grad_norms)
@@ -313,15 +387,13 @@ def verify(spec: VerifySpec) -> tuple[Setup, list[Row]]:
     """Runs ``default`` and every strategy of ``spec``; returns the rows of the report."""
     setup = build_setup(spec)
     log.info("clip-norm %.4g%s", setup.clip_norm,
-             " (auto: half the first batch's gradient norm)" if setup.clip_norm_auto else "")
+             " (auto: the median gradient norm of the first --steps batches)" if setup.clip_norm_auto else "")
     reference = RUNNERS[REFERENCE].run(setup, 1)
     rows = []
     for name, replicas in spec.strategies:
-        if (name, replicas) == (REFERENCE, 1):
-            result = reference
-        else:
-            log.info("running %s:%d", name, replicas)
-            result = RUNNERS[name].run(setup, replicas)
+        # The default row runs again: one device repeats itself exactly.
+        log.info("running %s:%d", name, replicas)
+        result = RUNNERS[name].run(setup, replicas)
         rows.append(compare(spec, setup, name, replicas, result, reference))
     return setup, rows
 
@@ -364,9 +436,12 @@ def parser() -> argparse.ArgumentParser:
                    help="sentence: bucketed sentences; stream: BPTT windows with the RNN "
                         "state carried (default: %(default)s)")
     p.add_argument("--clip-norm", type=float, default=0.0,
-                   help="gradient clip norm (default 0: half the first batch's gradient "
-                        "norm, so clipping fires)")
+                   help="gradient clip norm (default 0: the median gradient norm of the "
+                        "first --steps batches, so some steps are clipped and some not)")
     p.add_argument("--lr", type=float, default=0.5, help="SGD learning rate (default: %(default)s)")
+    p.add_argument("--momentum", type=float, default=0.5,
+                   help="SGD momentum; its slots are compared like the weights "
+                        "(default: %(default)s)")
     p.add_argument("--tolerance", type=float, default=1e-5,
                    help="max |parameter difference| allowed (default: %(default)s)")
     p.add_argument("--eval-tolerance", type=float, default=1e-6,
@@ -385,7 +460,7 @@ def parser() -> argparse.ArgumentParser:
 def spec_from_args(a: argparse.Namespace) -> VerifySpec:
     return VerifySpec(
         strategies=parse_strategies(a.strategies), steps=a.steps, batch_size=a.batch_size,
-        mode=a.mode, clip_norm=a.clip_norm, lr=a.lr, tolerance=a.tolerance,
+        mode=a.mode, clip_norm=a.clip_norm, lr=a.lr, momentum=a.momentum, tolerance=a.tolerance,
         eval_tolerance=a.eval_tolerance, seed=a.seed, embed_dim=a.embed_dim,
         hidden_dim=a.hidden_dim,
     )
@@ -394,7 +469,7 @@ def spec_from_args(a: argparse.Namespace) -> VerifySpec:
 def report(setup: Setup, rows: list[Row], json_path: str = "") -> int:
     """Prints the table and the verdict; writes the JSON; returns the exit status."""
     print(format_table(rows))
-    how = " (auto: half the first batch's gradient norm)" if setup.clip_norm_auto else ""
+    how = " (auto: the median gradient norm of the first --steps batches)" if setup.clip_norm_auto else ""
     print(f"clip-norm {setup.clip_norm:.4g}{how}")
     for r in rows:
         if r.steps and not r.clipped_steps:

@@ -118,6 +118,3 @@ class Checkpointer:
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
         self._last_saved = step
-
-    def close(self) -> None:
-        pass

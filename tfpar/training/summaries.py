@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 from typing import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
 
+from tfpar.model.lm import detached_copy
+from tfpar.objective import step
 from tfpar.serving import sample
-
-from tfpar.objective import step as steps
-from tfpar.model.lm import RNNLanguageModel
 
 log = logging.getLogger(__name__)
 RUNS = ("train", "eval")
@@ -206,7 +204,7 @@ class EpochInspector:
 
     def __init__(self, config, vocab, data):
         self.config, self.vocab, self.data = config, vocab, data
-        self.copy = _detached_model(config, len(vocab))
+        self.copy = detached_copy(config.model, len(vocab), seed=config.train.seed)
         self.sampler = sample.Sampler(self.copy, vocab)
         self._batch = None
         copy = self.copy
@@ -214,7 +212,7 @@ class EpochInspector:
         @tf.function(reduce_retracing=True)
         def norms(batch):
             count = tf.reduce_sum(tf.cast(batch["targets"] != 0, tf.float32))
-            grads, _, _, _ = steps.loss_and_grads(copy, batch, count, training=False)
+            grads, _, _, _ = step.replica_gradients(copy, batch, count, training=False)
             return tf.stack([tf.norm(g) for g in grads])
 
         self._norms = norms
@@ -245,17 +243,3 @@ class EpochInspector:
         greedy = self.sampler([prompt], max_tokens=SAMPLE_TOKENS, temperature=0.0)[0]
         return [f"sample {i + 1}: {t}" for i, t in enumerate(drawn)] + [
             f"greedy: [{prompt}] {greedy}"]
-
-
-def _detached_model(config, vocab_size: int) -> RNNLanguageModel:
-    """The run's architecture (call outside any strategy scope), without touching the
-    global seeds training relies on (``build_model`` would reset them): only Python's
-    ``random`` is drawn from, for Keras's default initializers, and it is restored."""
-    state = random.getstate()
-    try:
-        model = RNNLanguageModel(config.model, vocab_size, seed=config.train.seed,
-                                 name="rnn_lm")
-        model(tf.zeros([1, 1], tf.int32))
-    finally:
-        random.setstate(state)
-    return model

@@ -1,0 +1,295 @@
+"""The epoch/step loop: one path records every step; periodic work is hooks.
+
+``Loop`` runs synchronous plug-ins (one step, one result); ``AsyncLoop`` runs
+parameter-server training (steps scheduled on workers, results read at sync points).
+Both hand what finished to :meth:`Loop.record`, which checks it, keeps the run's totals
+and calls every hook with one :class:`Record`: summaries, the progress bar and periodic
+checkpoints are hooks, not branches of the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import signal
+import threading
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpar.errors import Interrupted, TrainingError
+from tfpar.objective.losses import perplexity
+from tfpar.objective.step import run_steps
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Progress:
+    """Counters of one run (kept in Python; the durable copies live in the checkpoint)."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    nll: float = 0.0
+    count: float = 0.0
+    skipped: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """The finite steps that finished since the last record."""
+
+    step: int  # updates applied so far
+    steps: int  # steps this record covers (1, or a sync point's many)
+    nll: float
+    count: float
+    grad_norm: float  # mean over the steps
+    seconds: float
+    learning_rate: float
+
+    @property
+    def loss(self) -> float:
+        return self.nll / max(self.count, 1.0)
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.count / max(self.seconds, 1e-9)
+
+    def crossed(self, every: int) -> bool:
+        """Whether a multiple of ``every`` lies in (step - steps, step], or this is the
+        first record."""
+        first = self.step - self.steps
+        return first == 0 or (bool(every) and self.step // every > first // every)
+
+
+# ----------------------------------------------------------------------------- hooks
+class SummaryHook:
+    """Train scalars every ``--log-every`` steps (and at the first)."""
+
+    def __init__(self, writer, every: int):
+        self.writer, self.every = writer, every
+
+    def __call__(self, r: Record) -> None:
+        if r.crossed(self.every):
+            self.writer.scalars("train", {
+                "loss": r.loss, "perplexity": math.exp(min(r.loss, 50.0)),
+                "tokens_per_sec": r.tokens_per_sec, "learning_rate": r.learning_rate,
+                "grad_norm": r.grad_norm,
+            }, r.step)
+
+
+class CheckpointHook:
+    """A checkpoint every ``--checkpoint-every`` steps (0: only at epoch ends)."""
+
+    def __init__(self, checkpointer, every: int):
+        self.checkpointer, self.every = checkpointer, every
+
+    def __call__(self, r: Record) -> None:
+        if self.every and r.step // self.every > (r.step - r.steps) // self.every:
+            self.checkpointer.save(r.step)
+
+
+class ProgressHook:
+    """A Keras progress bar per epoch."""
+
+    def __init__(self):
+        self.bar = None
+
+    def start_epoch(self, total: int | None) -> None:
+        self.bar = keras.utils.Progbar(total, unit_name="step")
+
+    def __call__(self, r: Record) -> None:
+        if self.bar is not None:
+            self.bar.add(r.steps, [("loss", r.loss), ("ppl", math.exp(min(r.loss, 50.0))),
+                                   ("tok/s", r.tokens_per_sec)])
+
+
+# ----------------------------------------------------------------------------- evaluation
+def evaluate(plugin, eval_step, data, split: str, batch_size: int) -> tuple[float, float]:
+    """Total (nll, tokens) of ``split``, distributed like training; ppl = exp(nll / tokens)."""
+    batches = plugin.distribute(
+        lambda ctx: data.batches(split, training=False, input_context=ctx, batch_size=batch_size)
+    )
+    nll = count = 0.0
+    for out in run_steps(eval_step, batches, stream=data.config.mode == "stream"):
+        nll += float(out.nll_sum)
+        count += float(out.count)
+    return nll, count
+
+
+# ----------------------------------------------------------------------------- loops
+class Loop:
+    """Epochs of synchronous steps; see the module docstring."""
+
+    def __init__(self, config, plugin, data, state, checkpointer, writer, train_step,
+                 eval_step):
+        self.config, self.plugin, self.data, self.state = config, plugin, data, state
+        self.checkpointer, self.writer = checkpointer, writer
+        self.train_step, self.eval_step = train_step, eval_step
+        self.progress = Progress()
+        self.stop_signal = StopSignal()
+        self.bar = ProgressHook() if config.run.progress else None
+        self.hooks = [SummaryHook(writer, config.run.log_every),
+                      CheckpointHook(checkpointer, config.run.checkpoint_every)]
+        if self.bar is not None:
+            self.hooks.append(self.bar)
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    def done(self) -> bool:
+        max_steps = self.config.train.max_steps
+        return bool(max_steps) and self.step >= max_steps
+
+    def run(self) -> Progress:
+        with self.stop_signal:
+            cfg = self.config.train
+            while int(self.state.epoch.numpy()) < cfg.epochs and not self.done():
+                epoch = int(self.state.epoch.numpy())
+                self.train_epoch(epoch, int(self.state.batch_in_epoch.numpy()))
+                if self.done() and int(self.state.batch_in_epoch.numpy()) != 0:
+                    break
+                self.end_epoch(epoch)
+            self.checkpointer.save(self.step)
+        return self.progress
+
+    def train_batches(self, epoch: int, skip: int, input_context=None):
+        return self.data.batches("train", training=True, epoch=epoch, skip=skip,
+                                 input_context=input_context,
+                                 batch_size=self.config.train.batch_size)
+
+    def train_epoch(self, epoch: int, skip: int) -> None:
+        batches = self.plugin.distribute(lambda ctx: self.train_batches(epoch, skip, ctx))
+        if self.bar is not None:
+            self.bar.start_epoch(None)
+        start = time.perf_counter()
+        for out in run_steps(self.train_step, batches,
+                             stream=self.config.data.mode == "stream"):
+            now = time.perf_counter()
+            self.record([out], now - start)
+            start = now
+            if self.done():
+                break
+
+    def record(self, outputs: list, seconds: float) -> None:
+        """The one place finished steps go: non-finite ones are reported (``--on-nan``),
+        the rest are counted and handed to every hook."""
+        self.state.batch_in_epoch.assign_add(len(outputs))
+        step = self.step
+        finite = []
+        for out in outputs:
+            nll, count, norm = float(out.nll_sum), float(out.count), float(out.grad_norm)
+            if math.isfinite(nll) and math.isfinite(norm):
+                finite.append((nll, count, norm))
+            else:
+                self.non_finite(step, nll, norm)
+        if finite:
+            r = Record(step=step, steps=len(outputs), nll=sum(f[0] for f in finite),
+                       count=sum(f[1] for f in finite),
+                       grad_norm=sum(f[2] for f in finite) / len(finite), seconds=seconds,
+                       learning_rate=float(self.state.optimizer.learning_rate))
+            p = self.progress
+            if step > len(outputs):  # The first steps trace the graph; keep them out.
+                p.tokens += r.count
+                p.seconds += seconds
+            p.nll += r.nll
+            p.count += r.count
+            for hook in self.hooks:
+                hook(r)
+        self.check_stop_signal()
+
+    def end_epoch(self, epoch: int) -> None:
+        nll, count = evaluate(self.plugin, self.eval_step, self.data, "valid",
+                              self.config.train.global_eval_batch_size)
+        ppl = perplexity(nll, count)
+        log.info("epoch %d: valid perplexity %.2f", epoch + 1, ppl)
+        self.writer.scalars("eval", {"perplexity": ppl, "epoch": epoch + 1}, self.step)
+        self.writer.end_epoch(self.state.model, self.step)
+        self.state.epoch.assign(epoch + 1)
+        self.state.batch_in_epoch.assign(0)
+        self.checkpointer.save(self.step)
+
+    def check_stop_signal(self) -> None:
+        if self.stop_signal.received:
+            self.checkpointer.save(self.step)
+            raise Interrupted(
+                f"stopped by {self.stop_signal.received} after step {self.step}; checkpoint "
+                f"saved in {self.checkpointer.directory}; run the same command again to resume"
+            )
+
+    def non_finite(self, step: int, nll: float, norm: float) -> None:
+        """A batch gave a non-finite loss or gradient; its update was not applied (the
+        one step's finite guard), so the weights are still the last good ones."""
+        what = f"non-finite loss or gradient in the batch after step {step} (loss {nll}, " \
+               f"gradient norm {norm})"
+        if self.config.train.on_nan == "stop":
+            self.checkpointer.save(step)  # the last good weights (no-op if saved already)
+            raise TrainingError(f"{what}; the update was not applied. Lower --lr or "
+                                "--clip-norm, or pass --on-nan skip to drop such batches")
+        self.progress.skipped += 1
+        log.warning("%s: skipped (--on-nan skip)", what)
+
+
+class AsyncLoop(Loop):
+    """Parameter-server training: schedules an epoch's steps without waiting for any, and
+    reads their results only at sync points - every --checkpoint-every steps and at the
+    epoch end - once the coordinator has waited for all of them. Summaries are therefore
+    written per sync point that reaches a --log-every multiple."""
+
+    def train_epoch(self, epoch: int, skip: int) -> None:
+        cfg, coordinator = self.config, self.plugin
+        todo = count_batches(self.train_batches(epoch, 0)) - skip
+        if cfg.train.max_steps:
+            todo = min(todo, cfg.train.max_steps - self.step)
+        iterators = coordinator.distribute_to_workers(
+            lambda ctx: self.train_batches(epoch, skip, ctx))
+        if self.bar is not None:
+            self.bar.start_epoch(todo)
+        every = cfg.run.checkpoint_every or todo
+        while todo > 0:
+            start = time.perf_counter()
+            scheduled = min(todo, every - self.step % every)  # sync on checkpoint steps
+            futures = [self.train_step(iterators) for _ in range(scheduled)]
+            coordinator.join()
+            self.record([coordinator.fetch(f) for f in futures], time.perf_counter() - start)
+            todo -= scheduled
+
+
+class StopSignal:
+    """Turns SIGINT/SIGTERM into a flag the loop checks after each step.
+
+    Training then stops cleanly: the step in flight finishes, a checkpoint is written,
+    and the run exits saying how to resume. A second signal interrupts at once.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.received:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+        log.warning("%s received: stopping after this step", self.received)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
+
+
+def count_batches(dataset: tf.data.Dataset) -> int:
+    """Elements in a finite dataset (runs the input pipeline once)."""
+    return int(dataset.reduce(np.int64(0), lambda n, _: n + 1))

@@ -1,0 +1,59 @@
+"""The optimizer and its learning-rate schedule, from the run's configuration."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tfpar.config import Config
+
+
+class EpochSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """Base LR × decay per epoch past ``decay_after`` × linear warm-up over steps.
+
+    The epoch comes from a variable the loop sets, so the schedule needs no knowledge of
+    how many steps an epoch has (bucketed epochs vary), and it is checkpointed.
+    """
+
+    def __init__(self, base_lr: float, decay: float, decay_after: int, warmup_steps: int,
+                 epoch: tf.Variable):
+        self.base_lr, self.decay, self.decay_after = base_lr, decay, decay_after
+        self.warmup_steps, self.epoch = warmup_steps, epoch
+
+    def __call__(self, step):
+        epoch = tf.cast(self.epoch, tf.float32)
+        exponent = tf.maximum(epoch + 1.0 - self.decay_after, 0.0)
+        lr = self.base_lr * tf.pow(self.decay, exponent)
+        if self.warmup_steps:
+            warm = tf.minimum(1.0, (tf.cast(step, tf.float32) + 1.0) / self.warmup_steps)
+            lr = lr * warm
+        return lr
+
+    def get_config(self):
+        return {"base_lr": self.base_lr, "decay": self.decay, "decay_after": self.decay_after,
+                "warmup_steps": self.warmup_steps}
+
+
+def base_learning_rate(config: Config, num_replicas: int) -> float:
+    """``--lr``, times the replica count under ``--scale-lr linear``.
+
+    The linear scaling rule (Goyal et al., 2017) keeps the per-example step size when the
+    global batch grows with the replica count; it needs warm-up and breaks down for very
+    large batches.
+    """
+    factor = num_replicas if config.train.scale_lr == "linear" else 1
+    return config.train.lr * factor
+
+
+def optimizer_factory(config: Config, num_replicas: int):
+    """``make_optimizer(epoch_variable)`` for :func:`tfpar.training.state.build_train_state`."""
+
+    def make(epoch: tf.Variable) -> keras.optimizers.Optimizer:
+        schedule = EpochSchedule(base_learning_rate(config, num_replicas),
+                                 config.train.lr_decay, config.train.decay_after,
+                                 config.train.warmup_steps, epoch)
+        if config.train.optimizer == "sgd":
+            return keras.optimizers.SGD(learning_rate=schedule)
+        return keras.optimizers.Adam(learning_rate=schedule)
+
+    return make

@@ -1,0 +1,94 @@
+"""One train state: the model, the optimizer and the counters, built once, saved whole.
+
+Every tool that trains or evaluates (the training run, ``scripts/evaluate.py``, the
+verify tool, the benchmark, the pipeline sweep) builds its state here, inside the
+strategy's scope, so the variables land where the strategy wants them. A checkpoint holds::
+
+    params/<layer path>   every model weight, under its Keras path with "/" -> "."
+                          (e.g. params/rnn_lm.rnn_0.lstm_cell.kernel)
+    optimizer/...         the optimizer's step count and slots (Adam's m and v)
+    epoch                 epochs finished
+    batch_in_epoch        batches of the current epoch consumed (trained or skipped)
+    rng/<layer>           the dropout layers' RNG states
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfpar.config import ModelConfig
+from tfpar.model.lm import RNNLanguageModel, build_model
+
+# make_optimizer(epoch variable) -> a Keras optimizer (the schedule may read the epoch).
+OptimizerFactory = Callable[[tf.Variable], keras.optimizers.Optimizer]
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What a run trains and what its checkpoints hold."""
+
+    model: RNNLanguageModel
+    optimizer: keras.optimizers.Optimizer | None
+    epoch: tf.Variable  # int64 scalar: epochs finished
+    batch_in_epoch: tf.Variable  # int64 scalar: batches of the current epoch consumed
+
+    @property
+    def step(self) -> int:
+        """Updates applied so far (a skipped non-finite batch is not one)."""
+        return int(self.optimizer.iterations.numpy())
+
+    def trackables(self) -> dict:
+        """The objects a ``tf.train.Checkpoint`` of this state holds, by name."""
+        out = {"params": named_weights(self.model), "epoch": self.epoch,
+               "batch_in_epoch": self.batch_in_epoch, "rng": self.model.seed_states()}
+        if self.optimizer is not None:
+            out["optimizer"] = self.optimizer
+        return out
+
+    def variables(self) -> list[tf.Variable]:
+        """Every variable the state holds (model, optimizer slots and counters)."""
+        out = list(self.model.variables) + [self.epoch, self.batch_in_epoch]
+        if self.optimizer is not None:
+            out += list(self.optimizer.variables)
+        return out
+
+    def snapshot(self) -> list[np.ndarray]:
+        """Copies of :meth:`variables`' values, for exact comparisons."""
+        return [np.array(v.numpy()) for v in self.variables()]
+
+
+def named_weights(model) -> dict[str, tf.Variable]:
+    """``{path with "/" -> ".": variable}`` for every model variable."""
+    return {v.path.replace("/", "."): v for v in model.variables}
+
+
+def build_train_state(scope: contextlib.AbstractContextManager, model_config: ModelConfig,
+                      vocab_size: int, *, seed: int,
+                      make_optimizer: OptimizerFactory | None = None,
+                      initial_weights: list[np.ndarray] | None = None) -> TrainState:
+    """Builds the state inside ``scope`` (a strategy plug-in's ``scope()``).
+
+    Args:
+      scope: where the variables are created.
+      model_config, vocab_size, seed: the model (``tfpar.model.lm.build_model``).
+      make_optimizer: builds the optimizer from the epoch variable; None: no optimizer
+        (evaluation only).
+      initial_weights: weights to start from instead of the seeded initialisation.
+    """
+    with scope:
+        model = build_model(model_config, vocab_size, seed=seed)
+        if initial_weights is not None:
+            model.set_weights(initial_weights)
+        epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
+        batch_in_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="batch_in_epoch")
+        optimizer = None
+        if make_optimizer is not None:
+            optimizer = make_optimizer(epoch)
+            optimizer.build(model.trainable_variables)
+    return TrainState(model, optimizer, epoch, batch_in_epoch)
