@@ -102,7 +102,7 @@ def evaluate_model_dir(args) -> dict:
                               seed=config.train.seed)
     model = state.model
     try:
-        tf.train.Checkpoint(params=state.trackables()["params"]).restore(ckpt) \
+        tf.train.Checkpoint(layers=state.trackables()["layers"]).restore(ckpt) \
             .expect_partial().assert_existing_objects_matched()
     except (AssertionError, ValueError, tf.errors.OpError) as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]

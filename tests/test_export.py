@@ -18,7 +18,7 @@ from tfpar.errors import CheckpointError
 from tfpar.data.pipeline import InputData
 from tfpar.model.lm import build_model
 from tfpar.parallel import build_strategy
-from tfpar.training.run import evaluate
+from tfpar.training.loop import evaluate
 from tfpar.data.vocab import Vocab
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -97,7 +97,7 @@ def test_sharded_gradients_and_updates_match_unsharded_ones(tmp_path):
     count = tf.reduce_sum(tf.cast(batch["targets"] != 0, tf.float32))
     for _ in range(2):
         grads, nll, _ = ps.loss_and_grads(sharded, batch)
-        want, want_nll, _, _ = steps.loss_and_grads(plain, batch, count)
+        want, want_nll, _, _ = steps.replica_gradients(plain, batch, count)
         np.testing.assert_allclose(float(nll), float(want_nll), rtol=1e-6)
         for g, w in zip(grads, want):
             np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-7)
@@ -116,7 +116,7 @@ def test_sharded_gradients_and_updates_match_unsharded_ones(tmp_path):
 ])
 def test_settings_asynchronous_training_cannot_honour(config, message):
     tf_config = ps_config()
-    plugin = ps.ParameterServerPlugin(None, None, cluster.parse_tf_config(tf_config))
+    plugin = ps.Coordinator(None, None, cluster.parse_tf_config(tf_config))
     with pytest.raises(ConfigError, match=message):
         plugin.check_config(config)
 

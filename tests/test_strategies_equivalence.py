@@ -14,7 +14,7 @@ from tfpar.config import DataConfig, DistConfig, ModelConfig
 from tfpar.data.pipeline import InputData
 from tfpar.model.lm import build_model
 from tfpar.parallel import build_strategy
-from tfpar.training.run import evaluate
+from tfpar.training.loop import evaluate
 from tfpar.tools.verify import Setup, VerifySpec, run_plugin
 from tfpar.data.vocab import Vocab
 

@@ -20,7 +20,7 @@ from tfpar.data.pipeline import InputData
 from tfpar.model.lm import build_model
 from tfpar.parallel import build_strategy
 from tfpar.parallel.tower import TowerPlugin, default_variable_device, ring_all_reduce
-from tfpar.training.run import EpochSchedule, base_learning_rate
+from tfpar.training.schedule import EpochSchedule, base_learning_rate
 from tfpar.tools.verify import Setup, VerifySpec, run_plugin
 from tfpar.data.vocab import PAD_ID, Vocab
 

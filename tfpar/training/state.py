@@ -4,9 +4,13 @@ Every tool that trains or evaluates (the training run, ``scripts/evaluate.py``, 
 verify tool, the benchmark, the pipeline sweep) builds its state here, inside the
 strategy's scope, so the variables land where the strategy wants them. A checkpoint holds::
 
-    params/<layer path>   every model weight, under its Keras path with "/" -> "."
-                          (e.g. params/rnn_lm.rnn_0.lstm_cell.kernel)
-    optimizer/...         the optimizer's step count and slots (Adam's m and v)
+    layers/<path>         every model weight, under its Keras path below the model with
+                          "/" -> ":" (e.g. layers/rnn_0:lstm_cell:kernel)
+    model/...             the same weights again, as Keras tracks them (older tools
+                          restore ``tf.train.Checkpoint(model=...)``)
+    moments/<slot>        the optimizer's slots, named by Keras (Adam's
+                          rnn_0_lstm_cell_kernel_momentum and ..._velocity; SGD's momentum)
+    optimizer/...         the optimizer's step count (and its slots again)
     epoch                 epochs finished
     batch_in_epoch        batches of the current epoch consumed (trained or skipped)
     rng/<layer>           the dropout layers' RNG states
@@ -45,9 +49,12 @@ class TrainState:
 
     def trackables(self) -> dict:
         """The objects a ``tf.train.Checkpoint`` of this state holds, by name."""
-        out = {"params": named_weights(self.model), "epoch": self.epoch,
+        # "layers" sorts before "model" and "optimizer": a tensor reachable from several
+        # objects is saved under the first path TF's breadth-first walk finds.
+        out = {"layers": named_weights(self.model), "model": self.model, "epoch": self.epoch,
                "batch_in_epoch": self.batch_in_epoch, "rng": self.model.seed_states()}
         if self.optimizer is not None:
+            out["moments"] = optimizer_slots(self.optimizer, self.model.name)
             out["optimizer"] = self.optimizer
         return out
 
@@ -64,8 +71,22 @@ class TrainState:
 
 
 def named_weights(model) -> dict[str, tf.Variable]:
-    """``{path with "/" -> ".": variable}`` for every model variable."""
-    return {v.path.replace("/", "."): v for v in model.variables}
+    """``{"rnn_0:lstm_cell:kernel": variable, ...}`` for every model weight (the dropout
+    RNG states are saved apart, under ``rng``)."""
+    prefix = model.name + "/"
+    return {v.path.removeprefix(prefix).replace("/", ":"): v for v in model.weights
+            if v.path.startswith(prefix)}
+
+
+def optimizer_slots(optimizer, model_name: str) -> dict[str, tf.Variable]:
+    """``{"rnn_0_lstm_cell_kernel_momentum": slot, ...}``: the optimizer's per-weight
+    variables (not its step count or learning rate)."""
+    out = {}
+    for v in optimizer.variables:
+        name = v.path.split("/", 1)[-1].removeprefix(model_name + "_")
+        if name not in ("iteration", "learning_rate"):
+            out[name] = v
+    return out
 
 
 def build_train_state(scope: contextlib.AbstractContextManager, model_config: ModelConfig,
