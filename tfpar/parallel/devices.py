@@ -161,3 +161,16 @@ def parse_device_list(text: str) -> tuple[str, ...]:
     if text.strip() and not items:
         raise ConfigError(f"--devices {text!r} names no device; use a form like /cpu:0,/cpu:1")
     return items
+
+
+def data_parallel_devices(dist, default_count: int = 2) -> list[str]:
+    """The devices of a one-process data-parallel strategy (mirrored, tower,
+    parallel_do): ``--devices``, all GPUs, or ``--cpu-devices`` logical CPUs (default 2)."""
+    if dist.devices:
+        return resolve_devices(dist.devices)
+    if num_gpus() >= 2:
+        return default_devices(num_gpus())
+    count = dist.cpu_devices or default_count
+    names = default_devices(count)
+    log.info("no GPUs: using %d logical CPU devices (%s)", count, ", ".join(names))
+    return names

@@ -127,20 +127,8 @@ def build_one_device(dist: DistConfig) -> DistributePlugin:
     return DistributePlugin("one_device", tf.distribute.OneDeviceStrategy(names[0]), names)
 
 
-def mirrored_devices(dist: DistConfig, default_count: int = 2) -> list[str]:
-    """The devices of a single-worker data-parallel strategy (mirrored, tower)."""
-    if dist.devices:
-        return devices_lib.resolve_devices(dist.devices)
-    if devices_lib.num_gpus() >= 2:
-        return devices_lib.default_devices(devices_lib.num_gpus())
-    count = dist.cpu_devices or default_count
-    names = devices_lib.default_devices(count)
-    log.info("no GPUs: using %d logical CPU devices (%s)", count, ", ".join(names))
-    return names
-
-
 def build_mirrored(dist: DistConfig) -> DistributePlugin:
     """``MirroredStrategy`` over ``--devices``, all GPUs, or logical CPU devices."""
-    names = mirrored_devices(dist)
+    names = devices_lib.data_parallel_devices(dist)
     ops = cross_device_ops(dist.all_reduce, names)
     return DistributePlugin("mirrored", tf.distribute.MirroredStrategy(names, ops), names)

@@ -6,12 +6,13 @@ every device and merges. Here the block is the one replica step of
 
     split:  global batch [B, T] -> rows of device d (shard_rows: sizes differ by <= 1)
     run:    with tf.device(d): g_d, nll_d, n_d = replica_gradients(rows_d, N)
-    merge:  g = sum_d g_d (on the first device); nll, n summed; states concatenated
+    merge:  g = sum_d g_d (on the variable device); nll, n summed; states concatenated
 
 It is also the worked example of what a synchronous strategy consists of: a class with
 ``num_replicas``, ``devices``, ``distribute``, ``gradients``, ``apply`` and ``losses``,
-a builder, and one line in ``tfpar.parallel.STRATEGIES``. (``tower`` is the same idea
-with a choice of variable device and a ring reduction.)
+a builder, and one line in ``tfpar.parallel.STRATEGIES``. ``tower``
+(``tfpar.parallel.tower``) is this strategy with a choice of variable device and of
+reduction (a ring).
 """
 
 from __future__ import annotations
@@ -22,16 +23,18 @@ from tfpar.config import DistConfig
 from tfpar.data.pipeline import shard_bounds, shard_rows, state_rows
 from tfpar.objective import losses, step
 from tfpar.parallel.base import StrategyPlugin
-from tfpar.parallel.distribute import mirrored_devices
+from tfpar.parallel.devices import data_parallel_devices
 
 
 class ParallelDo(StrategyPlugin):
-    """Split, run on every device, merge; the variables live on the first device."""
+    """Split, run on every device, merge; one set of variables on ``variable_device``."""
 
     name = "parallel_do"
+    replica_scope = "replica"  # ops of replica i are named <replica_scope>_<i>/...
 
-    def __init__(self, device_names: list[str]):
+    def __init__(self, device_names: list[str], variable_device: str = ""):
         self._devices = list(device_names)
+        self.variable_device = variable_device or self._devices[0]
 
     @property
     def num_replicas(self) -> int:
@@ -42,51 +45,67 @@ class ParallelDo(StrategyPlugin):
         return self._devices
 
     def scope(self):
-        return tf.device(self._devices[0])
+        """Model and optimizer variables are created on the variable device."""
+        return tf.device(self.variable_device)
 
     def distribute(self, dataset_fn):
-        return dataset_fn(None)  # global batches: the step splits them
+        """Global batches: the step splits them itself."""
+        return dataset_fn(None)
 
-    def _run(self, fn, batch, state):
-        """``fn(rows, state rows)`` on each device; its outputs, and the row counts."""
-        rows = tf.shape(batch["targets"])[0]
-        outs, sizes = [], []
+    def run(self, fn, batch, state) -> tuple[list, list]:
+        """Split and run: ``fn(rows, state rows)`` on each device (the backward ops of a
+        tape built there land there too); returns its outputs and the row counts."""
+        with tf.device(self.variable_device), tf.name_scope("split"):
+            rows = tf.shape(batch["targets"])[0]
+            bounds = [shard_bounds(rows, self.num_replicas, i) for i in range(len(self._devices))]
+            parts = [None if state is None else tf.nest.map_structure(
+                lambda s, b=b: state_rows(s, *b), state) for b in bounds]
+            shards = [shard_rows(batch, self.num_replicas, i) for i in range(len(self._devices))]
+        outs = []
         for i, device in enumerate(self._devices):
-            start, size = shard_bounds(rows, self.num_replicas, i)
-            part = None if state is None else tf.nest.map_structure(
-                lambda s, start=start, size=size: state_rows(s, start, size), state)
-            with tf.device(device):
-                outs.append(fn(shard_rows(batch, self.num_replicas, i), part))
-            sizes.append(size)
-        return outs, sizes
+            with tf.device(device), tf.name_scope(f"{self.replica_scope}_{i}"):
+                outs.append(fn(shards[i], parts[i]))
+        return outs, [size for _, size in bounds]
 
-    def _merge_states(self, finals, sizes):
+    @staticmethod
+    def merge_states(finals: list, sizes: list):
+        """The replicas' final states concatenated back into the global [B, H] structure
+        (a replica that had no rows ran one padding row: dropped here)."""
         if finals[0] is None:
             return None
         return tf.nest.map_structure(
             lambda *parts: tf.concat([p[:n] for p, n in zip(parts, sizes)], 0), *finals)
 
+    def reduce_gradients(self, grads: list[list[tf.Tensor]], variables) -> list[tf.Tensor]:
+        """Merge: the sum of the replicas' gradients, on the variable device."""
+        with tf.device(self.variable_device), tf.name_scope("controller_reduce"):
+            return [tf.add_n(list(g)) for g in zip(*grads)]
+
     def gradients(self, model, batch, state):
-        count = losses.token_count(batch["targets"])
-        outs, sizes = self._run(
+        with tf.device(self.variable_device):
+            count = losses.token_count(batch["targets"])
+        outs, sizes = self.run(
             lambda rows, s: step.replica_gradients(model, rows, count, s), batch, state)
         grads, nlls, counts, finals = zip(*outs)
-        with tf.device(self._devices[0]):
-            total = [tf.add_n(list(g)) for g in zip(*grads)]
+        total = self.reduce_gradients(list(grads), model.trainable_variables)
+        with tf.device(self.variable_device), tf.name_scope("sum"):
             return step.Aggregated(total, tf.linalg.global_norm(total), tf.add_n(nlls),
-                                   tf.add_n(counts), self._merge_states(finals, sizes))
+                                   tf.add_n(counts), self.merge_states(finals, sizes))
 
     def apply(self, optimizer, variables, grads, factor):
-        with tf.device(self._devices[0]):
+        """Once, on the variable device; the Keras optimizer, used outside any
+        ``tf.distribute`` strategy, all-reduces nothing."""
+        with tf.device(self.variable_device), tf.name_scope("update"):
             optimizer.apply_gradients(zip([g * factor for g in grads], variables))
 
     def losses(self, model, batch, state):
-        outs, sizes = self._run(
+        outs, sizes = self.run(
             lambda rows, s: step.forward(model, rows, s, training=False), batch, state)
         nlls, counts, finals = zip(*outs)
-        return tf.add_n(nlls), tf.add_n(counts), self._merge_states(finals, sizes)
+        with tf.device(self.variable_device), tf.name_scope("sum"):
+            return tf.add_n(nlls), tf.add_n(counts), self.merge_states(finals, sizes)
 
 
 def build_parallel_do(dist: DistConfig) -> ParallelDo:
     """On ``--devices``, all GPUs, or ``--cpu-devices`` logical CPUs (default 2)."""
-    return ParallelDo(mirrored_devices(dist))
+    return ParallelDo(data_parallel_devices(dist))

@@ -1,6 +1,8 @@
 """Tower data parallelism by hand: TF1's ``cifar10_multi_gpu_train`` pattern, in TF 2.
 
-One process and no ``tf.distribute``: the plug-in places every op itself. Each global
+One process and no ``tf.distribute``: the plug-in places every op itself. It is the
+``parallel_do`` strategy (``tfpar.parallel.parallel_do``: split, run, merge) with a choice
+of variable device and of reduction. Each global
 batch is split inside the step into one row shard per tower device (sizes differ by at
 most one row, ``input_pipeline.shard_rows``); each tower runs the forward pass and its
 gradients on its own device against the ONE set of weights that lives on the variable
@@ -44,135 +46,41 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from tfpar.parallel import devices as devices_lib
-from tfpar.objective import losses, step
 from tfpar.config import DistConfig
-from tfpar.data.pipeline import shard_bounds, shard_rows, state_rows
-from tfpar.parallel.base import StrategyPlugin
-from tfpar.parallel.distribute import mirrored_devices
+from tfpar.parallel import devices as devices_lib
+from tfpar.parallel.parallel_do import ParallelDo
 
 
-class TowerPlugin(StrategyPlugin):
-    """Hand-placed towers sharing one set of weights on ``variable_device``."""
+class TowerPlugin(ParallelDo):
+    """Hand-placed towers sharing one set of weights on ``variable_device``: the
+    ``parallel_do`` split -> run -> merge, with the merge a controller gather or a ring."""
 
     name = "tower"
+    replica_scope = "tower"
 
     def __init__(self, device_names: list[str], variable_device: str, reduce: str):
-        self._devices = list(device_names)
-        self.variable_device = variable_device
+        super().__init__(device_names, variable_device)
         self.reduce = reduce
-
-    @property
-    def num_replicas(self) -> int:
-        return len(self._devices)
-
-    @property
-    def devices(self) -> list[str]:
-        return self._devices
-
-    def scope(self):
-        """Model and optimizer variables are created on the variable device."""
-        return tf.device(self.variable_device)
-
-    def distribute(self, dataset_fn):
-        """Global batches: the train step splits them into tower shards itself."""
-        return dataset_fn(None)
 
     def describe(self) -> str:
         return (f"{super().describe()}; variables on {self.variable_device}, "
                 f"{self.reduce} gradient reduction")
 
-    # -------------------------------------------------------------------- step pieces
-    def gradients(self, model, batch, state):
-        """Each tower's gradients on its own device, summed on the variable device."""
-        with tf.device(self.variable_device), tf.name_scope("split"):
-            global_count = losses.token_count(batch["targets"])
-            shards = self._split(batch, state)
-        grads, nlls, counts, finals = [], [], [], []
-        for i, (device, shard, shard_state, _) in enumerate(shards):
-            # The tape's backward ops are built inside the same device scope, so each
-            # tower's gradients are colocated with its forward ops.
-            with tf.device(device), tf.name_scope(f"tower_{i}"):
-                g, nll, count, final = step.replica_gradients(
-                    model, shard, global_count, shard_state, training=True)
-            grads.append(g)
-            nlls.append(nll)
-            counts.append(count)
-            finals.append(final)
-        total = self._combine(grads, [v.shape for v in model.trainable_variables])
-        with tf.device(self.variable_device), tf.name_scope("sum"):
-            return step.Aggregated(grads=total, norm=tf.linalg.global_norm(total),
-                                   nll_sum=tf.add_n(nlls), count=tf.add_n(counts),
-                                   state=self._join(finals, shards))
-
-    def apply(self, optimizer, variables, grads, factor):
-        """Once, on the variable device; the Keras optimizer, used outside any
-        ``tf.distribute`` strategy, all-reduces nothing."""
-        with tf.device(self.variable_device), tf.name_scope("update"):
-            optimizer.apply_gradients(zip([g * factor for g in grads], variables))
-
-    def losses(self, model, batch, state):
-        with tf.device(self.variable_device), tf.name_scope("split"):
-            shards = self._split(batch, state)
-        nlls, counts, finals = [], [], []
-        for i, (device, shard, shard_state, _) in enumerate(shards):
-            with tf.device(device), tf.name_scope(f"tower_{i}"):
-                nll, count, final = step.forward(model, shard, shard_state, training=False)
-            nlls.append(nll)
-            counts.append(count)
-            finals.append(final)
-        with tf.device(self.variable_device), tf.name_scope("sum"):
-            return tf.add_n(nlls), tf.add_n(counts), self._join(finals, shards)
-
-    # ---------------------------------------------------------------- split and join
-    def _split(self, batch: dict, state):
-        """One ``(device, rows, state rows, row count)`` per tower.
-
-        The recurrent state (stream mode) is the global structure of [B, H] tensors; a
-        tower takes the same rows of it as of the batch. A tower with no rows gets one
-        padding row and one zero state row, and its row count of 0 drops them on the way
-        back (``_join``).
-        """
-        rows = tf.shape(batch["targets"])[0]
-        n = self.num_replicas
-        out = []
-        for i, device in enumerate(self._devices):
-            start, size = shard_bounds(rows, n, i)
-            shard_state = None if state is None else tf.nest.map_structure(
-                lambda s, start=start, size=size: state_rows(s, start, size), state
-            )
-            out.append((device, shard_rows(batch, n, i), shard_state, size))
-        return out
-
-    @staticmethod
-    def _join(finals: list, shards: list):
-        """The towers' final states concatenated back into the global [B, H] structure."""
-        if finals[0] is None:
-            return None
-        sizes = [size for _, _, _, size in shards]
-        return tf.nest.map_structure(
-            lambda *parts: tf.concat([p[:size] for p, size in zip(parts, sizes)], axis=0),
-            *finals,
-        )
-
-    # -------------------------------------------------------------------- reduction
-    def _combine(self, tower_grads: list[list[tf.Tensor]], shapes: list) -> list[tf.Tensor]:
-        """Sum of the towers' gradients (variable ``shapes``), on the variable device."""
+    def reduce_gradients(self, grads, variables):
         if self.reduce == "ring" and self.num_replicas > 1:
-            return self._ring_sum(tower_grads, shapes)
-        with tf.device(self.variable_device), tf.name_scope("controller_reduce"):
-            return [tf.add_n(list(gs)) for gs in zip(*tower_grads)]
+            return self._ring_sum(grads, [v.shape for v in variables])
+        return super().reduce_gradients(grads, variables)
 
     def _ring_sum(self, tower_grads: list[list[tf.Tensor]], shapes: list) -> list[tf.Tensor]:
         # Static sizes (from the variables: some gradients of the RNN loop have none).
         sizes = [int(np.prod(s)) for s in shapes]
         vectors = []
-        for i, (device, grads) in enumerate(zip(self._devices, tower_grads)):
+        for i, (device, grads) in enumerate(zip(self.devices, tower_grads)):
             with tf.device(device), tf.name_scope(f"ring_flatten_{i}"):
                 vectors.append(tf.concat(
                     [tf.reshape(g, [size]) for g, size in zip(grads, sizes)], axis=0))
-        reduced = ring_all_reduce(vectors, self._devices)
-        source = _same_device_index(self.variable_device, self._devices)
+        reduced = ring_all_reduce(vectors, self.devices)
+        source = _same_device_index(self.variable_device, self.devices)
         with tf.device(self.variable_device), tf.name_scope("ring_result"):
             parts = tf.split(reduced[source], sizes)
             return [tf.reshape(p, s) for p, s in zip(parts, shapes)]
@@ -245,7 +153,7 @@ def build_tower(dist: DistConfig) -> TowerPlugin:
     Raises:
       DeviceError: a tower or the variable device does not exist on this host.
     """
-    names = mirrored_devices(dist)
+    names = devices_lib.data_parallel_devices(dist)
     if dist.variable_device:
         variable_device = devices_lib.resolve_devices((dist.variable_device,))[0]
     else:

@@ -1,0 +1,136 @@
+"""The package's dependencies point one way, and the step is written once.
+
+Layers, top to bottom (a module may import its own layer and the ones below, never one
+above; no import cycles at all, function-local imports included)::
+
+    tools      cli, verify, bench, launcher
+    training   state, schedule, loop (+hooks), checkpoints, summaries, run
+    parallel   strategy plug-ins, devices, cluster        serving   export, sample
+    data       corpora, vocab, pipeline                   model     objective
+    base       config, errors
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tfpar"
+LAYERS = {
+    "tfpar": 0, "tfpar.config": 0, "tfpar.errors": 0,
+    "tfpar.data": 1, "tfpar.model": 1, "tfpar.objective": 1,
+    "tfpar.parallel": 2, "tfpar.serving": 2,
+    "tfpar.training": 3,
+    "tfpar.tools": 4,
+}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def all_modules() -> dict[str, pathlib.Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(path: pathlib.Path, modules: set[str]) -> set[str]:
+    """tfpar modules ``path`` imports, at module level or inside functions.
+
+    ``from pkg import name`` counts as importing ``pkg.name`` when that is a module (a
+    sub-module import), else as importing ``pkg``.
+    """
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "tfpar"}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package the module sits in
+                package = module_name(path) if path.name == "__init__.py" else \
+                    module_name(path).rpartition(".")[0]
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            if base.split(".")[0] != "tfpar":
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                out.add(sub if sub in modules else base)
+    return out & modules
+
+
+def layer_of(module: str) -> int:
+    while module not in LAYERS:
+        module = module.rpartition(".")[0]
+    return LAYERS[module]
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = all_modules()
+    return {name: imports_of(path, set(modules)) - {name} for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_every_module_has_a_layer():
+    for name in all_modules():
+        assert layer_of(name) >= 0
+
+
+def test_no_import_cycle():
+    assert find_cycle(import_graph()) is None
+
+
+def test_imports_point_down_the_layers():
+    upward = [f"{a} (layer {layer_of(a)}) imports {b} (layer {layer_of(b)})"
+              for a, targets in sorted(import_graph().items()) for b in sorted(targets)
+              if layer_of(b) > layer_of(a)]
+    assert upward == []
+
+
+def test_the_checks_can_fail():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    assert layer_of("tfpar.tools.verify") > layer_of("tfpar.parallel.tower")
+
+
+def test_function_local_imports_are_seen(tmp_path):
+    source = tmp_path / "mod.py"
+    source.write_text("def f():\n    from tfpar.tools import cli\n    import tfpar.errors\n")
+    assert imports_of(source, {"tfpar.tools.cli", "tfpar.errors", "tfpar.tools"}) == {
+        "tfpar.tools.cli", "tfpar.errors"}
+
+
+@pytest.mark.parametrize("words", [("clip_factor", "is_finite")])
+def test_the_update_is_written_once(words):
+    """Only the one step module computes the clip factor and the finite guard."""
+    owners = [name for name, path in all_modules().items()
+              if all(w in path.read_text(encoding="utf-8") for w in words)]
+    assert owners == ["tfpar.objective.step"]
