@@ -4,9 +4,10 @@ distribution, side by side on this host:
 
     python scripts/benchmark.py --quick --json bench.json --plot bench.png
 
-Prints one PASS/FAIL line per target and exits 0 (with ``--check``: 1 when a target is
-missed; 2 on a usage error). The logic lives in ``tfpar.tools.benchmark``; ``--help`` lists
-every flag.
+Prints one PASS/FAIL line per target and exits 0 (1 when a contender failed, named on
+stderr, or with ``--check`` when a target is missed; 2 on a usage error). The logic lives
+in the package ``tfpar.tools.bench`` (``python -m tfpar.tools.bench`` runs it too);
+``--help`` lists every flag.
 """
 
 import os
@@ -19,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main(argv=None) -> int:
     # Quiet TensorFlow's C++ start-up chatter; it reads this once, when it is imported.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from tfpar.tools.benchmark import main as benchmark_main
+    from tfpar.tools.bench.cli import main as benchmark_main
 
     return benchmark_main(argv)
 

@@ -70,32 +70,33 @@ def main(argv=None) -> int:
         parser().error("give train.py's flags after --, e.g. -- --strategy multi_worker")
     train_args = argv[split + 1:]
 
-    from tfpar.parallel import cluster
+    from tfpar.errors import ClusterError
+    from tfpar.parallel.cluster.local_job import (flag_value, plan_job, run_job,
+                                                  train_args_for_cluster, train_command)
     from tfpar.tools.cli import run_main
 
     def body():
         if args.restarts < 0:
-            raise cluster.ClusterError(f"--restarts must be >= 0, got {args.restarts}")
-        strategy, flags = cluster.train_args_for_cluster(train_args)
+            raise ClusterError(f"--restarts must be >= 0, got {args.restarts}")
+        strategy, flags = train_args_for_cluster(train_args)
         ps = args.ps if args.ps is not None else (1 if strategy == "parameter_server" else 0)
         try:
             ports = [int(p) for p in args.ports.split(",") if p.strip()] or None
         except ValueError:
-            raise cluster.ClusterError(f"--ports {args.ports!r} must be comma-separated "
-                                       "integers, one per task") from None
+            raise ClusterError(f"--ports {args.ports!r} must be comma-separated "
+                               "integers, one per task") from None
 
         def plan():
-            return cluster.plan_job(strategy, workers=args.workers, ps=ps, ports=ports)
+            return plan_job(strategy, workers=args.workers, ps=ps, ports=ports)
 
         plan()  # bad counts or taken ports fail here, before anything starts
         print(f"[launch] {strategy}: {args.workers} worker(s)"
-              f"{f', {ps} ps' if ps else ''}; model dir {cluster.flag_value(flags, '--model-dir')}",
+              f"{f', {ps} ps' if ps else ''}; model dir {flag_value(flags, '--model-dir')}",
               flush=True)
         env = dict(os.environ)
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        status = cluster.run_job(plan, cluster.train_command(str(REPO / "scripts" / "train.py"),
-                                                             flags),
-                                 restarts=args.restarts, env=env)
+        status = run_job(plan, train_command(str(REPO / "scripts" / "train.py"), flags),
+                         restarts=args.restarts, env=env)
         if status:
             print(f"error: the {strategy} job failed (status {status}); see the log above",
                   file=sys.stderr)

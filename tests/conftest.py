@@ -61,3 +61,41 @@ def batch_of(rows):
     inputs = np.concatenate([np.full((len(t), 1), 2, np.int32), t[:, :-1]], axis=1)
     inputs[t == PAD_ID] = PAD_ID
     return {"inputs": tf.constant(inputs), "targets": tf.constant(t)}
+
+
+# Ops the tracer leaves without a device: reads of the weights (TF puts them with the
+# variable they read), function arguments and folded constants.
+UNPLACED = {"ReadVariableOp", "Placeholder", "Const", "_Arg", "_Retval", "NoOp"}
+
+
+def replica_of(op_name: str, scope: str, replicas: int = NUM_TEST_DEVICES):
+    """The replica ``i`` whose name scope ``<scope>_<i>/`` an op is under (its gradient
+    ops, ``gradient_tape/<scope>_<i>/...``, too), or None."""
+    for prefix in ("", "gradient_tape/"):
+        for i in range(replicas):
+            if op_name.startswith(f"{prefix}{scope}_{i}/"):
+                return i
+    return None
+
+
+def placed_ops(graph_def, scope: str):
+    """``(node, device, replica)`` for every op of a traced step, including the ops inside
+    the functions it calls (RNN loops, compiled recurrences, conds); an op with no device
+    of its own runs on its caller's device and belongs to its caller's replica (the
+    replicas' name scopes are ``<scope>_<i>``: "tower", "replica")."""
+    functions = {f.signature.name: f for f in graph_def.library.function}
+
+    def walk(nodes, device, replica):
+        for node in nodes:
+            node_replica = replica if replica is not None else replica_of(node.name, scope)
+            node_device = node.device or device
+            yield node, node_device, node_replica
+            for value in node.attr.values():
+                called = [value.func.name] if value.HasField("func") else []
+                called += [f.name for f in value.list.func]
+                for name in called:
+                    if name in functions:
+                        yield from walk(functions[name].node_def, node_device, node_replica)
+
+    return list(walk(graph_def.node, "", None))
+

@@ -9,11 +9,12 @@ import sys
 import numpy as np
 import pytest
 
-from tfpar.tools import benchmark
-from tfpar.tools.benchmark import (BenchSpec, check_targets, fixed_windows, pad_fraction, ratio,
-                             stall_fraction, tiny_spec)
+from tfpar.tools.bench import contenders, measure, remote, report, spec as bench_spec
+from tfpar.tools.bench.contenders import ContenderFailed, Segment
+from tfpar.tools.bench.measure import pad_fraction, ratio, stall_fraction
+from tfpar.tools.bench.spec import BenchSpec, check_targets, tiny_spec
+from tfpar.tools.bench.workload import fixed_windows, load_setup
 from tfpar.errors import ConfigError
-
 
 
 def _load_script():
@@ -22,7 +23,7 @@ def _load_script():
     import os
 
     spec = importlib.util.spec_from_file_location(
-        "benchmark_script", os.path.join(benchmark.REPO, "scripts", "benchmark.py"))
+        "benchmark_script", os.path.join(bench_spec.REPO, "scripts", "benchmark.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -43,11 +44,11 @@ def test_pad_fraction():
 
 
 def test_input_wait_fraction_is_the_extra_fetch_time_share_of_tfdata_steps():
-    Seg = benchmark.Segment
+    Seg = Segment
     pairs = [(Seg(1, 0.098, 0.1, 0.001), Seg(1, 0.1, 0.1, 0.003))] * 4
-    assert benchmark.input_wait_fraction(pairs) == pytest.approx(0.02)
+    assert measure.input_wait_fraction(pairs) == pytest.approx(0.02)
     faster = [(Seg(1, 0.1, 0.1, 0.004), Seg(1, 0.1, 0.1, 0.001))]
-    assert benchmark.input_wait_fraction(faster) == 0.0
+    assert measure.input_wait_fraction(faster) == 0.0
 
 
 def test_stall_fraction_is_the_extra_time_share_clipped_at_zero():
@@ -89,7 +90,7 @@ def test_spec_errors_name_the_bad_value():
         BenchSpec(warmup=1)
 
 
-class FakeContender(benchmark.Contender):
+class FakeContender(contenders.Contender):
     """Steps that take a fixed time; records the order it was called in."""
 
     def __init__(self, name, seconds, calls):
@@ -97,24 +98,24 @@ class FakeContender(benchmark.Contender):
 
     def step(self):
         self.calls.append(self.name)
-        return benchmark.Segment(10.0, self.seconds, self.seconds)
+        return Segment(10.0, self.seconds, self.seconds)
 
     def segment(self, steps):
         self.calls.append(self.name)
-        return benchmark.Segment(10.0 * steps, self.seconds * steps, self.seconds * steps)
+        return Segment(10.0 * steps, self.seconds * steps, self.seconds * steps)
 
 
 def test_paired_steps_alternate_the_order_and_give_time_ratios():
     calls = []
     a, b = FakeContender("a", 0.3, calls), FakeContender("b", 0.2, calls)
-    assert benchmark.paired_step_ratios(a, b, 3) == pytest.approx([1.5, 1.5, 1.5])
+    assert measure.paired_step_ratios(a, b, 3) == pytest.approx([1.5, 1.5, 1.5])
     assert calls == ["a", "b", "b", "a", "a", "b"]
 
 
 def test_paired_segments_give_rates_of_both_sides():
     calls = []
     a, b = FakeContender("a", 0.5, calls), FakeContender("b", 0.25, calls)
-    rates_a, rates_b = benchmark.paired_segment_rates(a, b, tiny_spec(rounds=2, steps=4))
+    rates_a, rates_b = measure.paired_segment_rates(a, b, tiny_spec(rounds=2, steps=4))
     assert rates_a == pytest.approx([20.0, 20.0]) and rates_b == pytest.approx([40.0, 40.0])
     assert calls == ["a", "b", "b", "a"]
 
@@ -125,13 +126,13 @@ def test_bad_flag_value_exits_2(capsys):
 
 
 def test_missing_ptb_falls_back_to_the_generated_corpus_and_says_so(tmp_path):
-    setup = benchmark.load_setup(tiny_spec(data=str(tmp_path / "ptb")))
+    setup = load_setup(tiny_spec(data=str(tmp_path / "ptb")))
     assert setup.corpus_name == "synthetic"
     assert str(tmp_path / "ptb") in setup.corpus_note
 
 
 def test_bucketing_pads_far_less_than_padded_batch_on_the_same_sentences():
-    pads = benchmark.padding(benchmark.load_setup(tiny_spec(synthetic_sentences=400)))
+    pads = measure.padding(load_setup(tiny_spec(synthetic_sentences=400)))
     assert pads["pad_fraction_bucketed"] <= 0.03
     assert pads["pad_fraction_naive"] > 0.2
     assert pads["bucket_count"] > 1
@@ -140,17 +141,28 @@ def test_bucketing_pads_far_less_than_padded_batch_on_the_same_sentences():
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """One --quick --tiny --check run (seconds on an idle host); its exit code, JSON and
-    printed report."""
+    printed report. The stderr of a run that stopped early is in the failure message."""
     out = tmp_path_factory.mktemp("bench")
     path = out / "b.json"
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    printed, errors = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
         code = main(["--quick", "--tiny", "--check", "--json", str(path)])
-    return code, json.loads(path.read_text()), printed.getvalue()
+    stderr = errors.getvalue()
+    assert path.exists(), f"the benchmark exited {code} without results: " + " | ".join(
+        line for line in stderr.splitlines() if line.startswith("error:"))
+    return code, json.loads(path.read_text()), printed.getvalue(), stderr
+
+
+def test_tiny_run_has_no_failed_contender(tiny_run):
+    """Every registered strategy built, warmed up and was timed; a crash fails here."""
+    code, results, _, stderr = tiny_run
+    assert report.failed_contenders(results) == {}
+    assert [line for line in stderr.splitlines() if line.startswith("error:")] == []
+    assert code in (0, 1)  # 1 only for a missed target (--check), see below
 
 
 def test_tiny_run_writes_every_key(tiny_run):
-    _, results, _ = tiny_run
+    _, results, _, _ = tiny_run
     for key in KEYS:
         assert key in results, key
     assert results["corpus"] == "synthetic"
@@ -162,8 +174,7 @@ def test_tiny_run_writes_every_key(tiny_run):
     assert set(results["distribution_tokens_per_sec"]) == {
         "default", "mirrored1", "mirrored2", "tower2", "pipeline2"}
     for name, value in results["distribution_tokens_per_sec"].items():
-        assert isinstance(value, float) or value == benchmark.NOT_AVAILABLE \
-            or value.startswith("failed:"), (name, value)
+        assert isinstance(value, float) or value == bench_spec.NOT_AVAILABLE, (name, value)
     assert isinstance(results["distribution_tokens_per_sec"]["mirrored1"], float)
     # The two-device contenders ran in their own process, and mirrored is the headline.
     assert isinstance(results["distribution_tokens_per_sec"]["mirrored2"], float)
@@ -173,8 +184,8 @@ def test_tiny_run_writes_every_key(tiny_run):
 
 
 def test_tiny_run_prints_a_verdict_per_target_and_check_sets_the_exit_code(tiny_run):
-    code, results, printed = tiny_run
-    for name in benchmark.TARGETS:
+    code, results, printed, _ = tiny_run
+    for name in bench_spec.TARGETS:
         assert f"PASS {name}" in printed or f"FAIL {name}" in printed
     missed = [n for n, t in results["targets"].items() if not t["pass"]]
     assert code == (1 if missed else 0)
@@ -184,19 +195,97 @@ def test_unregistered_strategies_are_marked_not_available(monkeypatch):
     from tfpar import parallel as strategies
 
     monkeypatch.delitem(strategies.STRATEGIES, "tower")
-    configs = benchmark.distribution_configs()
-    assert configs["tower2"] == benchmark.NOT_AVAILABLE
+    configs = contenders.distribution_configs()
+    assert configs["tower2"] == bench_spec.NOT_AVAILABLE
     assert configs["mirrored2"].strategy == "mirrored"
 
 
 def test_plot_is_a_png(tiny_run, tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "b.png"
-    benchmark.write_plot(str(path), tiny_run[1])
+    report.write_plot(str(path), tiny_run[1])
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_without_matplotlib_is_a_one_line_error(tiny_run, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
     with pytest.raises(ConfigError, match=r"--plot needs matplotlib.*\.\[bench\]"):
-        benchmark.write_plot(str(tmp_path / "b.png"), tiny_run[1])
+        report.write_plot(str(tmp_path / "b.png"), tiny_run[1])
+
+
+# ----------------------------------------------------------------- a contender that crashes
+class CrashingContender(FakeContender):
+    def step(self):
+        raise RuntimeError("boom\nsecond line")
+
+    def segment(self, steps):
+        self.step()
+
+
+def test_a_contender_that_crashes_while_timed_stops_the_run_naming_it():
+    calls = []
+    with pytest.raises(ContenderFailed) as caught:
+        measure.interleave([FakeContender("a", 0.1, calls), CrashingContender("b", 0.1, calls)],
+                           tiny_spec())
+    assert str(caught.value) == "contender b failed: RuntimeError: boom"
+    with pytest.raises(ContenderFailed, match="^contender b failed: RuntimeError: boom$"):
+        measure.paired_steps(FakeContender("a", 0.1, calls), CrashingContender("b", 0.1, calls), 2)
+    with pytest.raises(ContenderFailed, match="^contender b failed"):
+        measure.paired_segment_rates(FakeContender("a", 0.1, calls),
+                                     CrashingContender("b", 0.1, calls), tiny_spec())
+
+
+def test_a_remote_contender_whose_segment_raised_fails_naming_it():
+    class Server:
+        def ask(self, request):
+            return {"error": "ValueError: bad shape"}
+
+    with pytest.raises(ContenderFailed, match="^contender tower2 failed: ValueError: bad shape$"):
+        remote.RemoteContender("tower2", Server()).segment(3)
+
+
+def test_a_run_stopped_by_a_crash_exits_1_with_one_line(monkeypatch, capsys):
+    def crashed(spec):
+        raise ContenderFailed("pipeline2", "RuntimeError: benchmark child process exited (1)")
+
+    monkeypatch.setattr(measure, "run", crashed)
+    assert main(["--tiny"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "error: contender pipeline2 failed: RuntimeError: benchmark child " \
+                      "process exited (1)"
+
+
+def test_a_contender_that_fails_to_build_fails_the_run(monkeypatch, capsys, tmp_path):
+    """The other contenders are still measured and reported, then the run exits 1 and
+    names every failed one (local and in the child process) on stderr."""
+    real_build = contenders.build_tfpar
+
+    def build(setup, name, dist):
+        if name == "mirrored1":
+            raise RuntimeError("injected crash")
+        return real_build(setup, name, dist)
+
+    class NoChild:  # the two-device child, reporting tower2 crashed while it was built
+        def __init__(self, spec, names):
+            self.status = {n: bench_spec.NOT_AVAILABLE for n in names}
+            self.status["tower2"] = "failed: ValueError: child crash"
+
+        def contenders(self):
+            return {}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(contenders, "build_tfpar", build)
+    monkeypatch.setattr(measure, "ContenderServer", NoChild)
+    path = tmp_path / "b.json"
+    assert main(["--tiny", "--json", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert "PASS tfpar_vs_keras_baseline" in out or "FAIL tfpar_vs_keras_baseline" in out
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        "error: contender mirrored1 failed: RuntimeError: injected crash",
+        "error: contender tower2 failed: ValueError: child crash"]
+    results = json.loads(path.read_text())
+    assert report.failed_contenders(results) == {
+        "mirrored1": "RuntimeError: injected crash", "tower2": "ValueError: child crash"}
+    assert isinstance(results["distribution_tokens_per_sec"]["default"], float)

@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-from tfpar.parallel import cluster
+from tfpar.parallel.cluster.tf_config import (check_jobs, check_port_free, free_ports,
+                                              parse_tf_config, require_cluster)
+from tfpar.parallel.cluster.local_job import flag_value, plan_job, run_job, train_args_for_cluster
 from tfpar.errors import ClusterError
 
 MW = {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}
@@ -32,7 +34,7 @@ def listening_port():
 
 # ----------------------------------------------------------------------------- TF_CONFIG
 def test_parse_reads_the_cluster_and_the_task():
-    config = cluster.parse_tf_config(tf_config(MW, "worker", 1))
+    config = parse_tf_config(tf_config(MW, "worker", 1))
     assert config.cluster == {"worker": ("127.0.0.1:2222", "127.0.0.1:2223")}
     assert (config.task_type, config.task_index) == ("worker", 1)
     assert config.address == "127.0.0.1:2223"
@@ -57,14 +59,14 @@ def test_parse_reads_the_cluster_and_the_task():
 ])
 def test_malformed_tf_config_is_one_line_error(text, message):
     with pytest.raises(ClusterError, match=message):
-        cluster.parse_tf_config(text)
+        parse_tf_config(text)
 
 
 def test_a_cluster_strategy_without_tf_config_is_refused():
     with pytest.raises(ClusterError, match="--strategy multi_worker needs a cluster, but TF_CONFIG "
                                            "is not set; start one on this machine with "
                                            "scripts/launch_local.py --workers 2"):
-        cluster.require_cluster("multi_worker", environ={})
+        require_cluster("multi_worker", environ={})
 
 
 @pytest.mark.parametrize("strategy, jobs, message", [
@@ -81,48 +83,48 @@ def test_a_cluster_strategy_without_tf_config_is_refused():
 def test_jobs_a_strategy_needs(strategy, jobs, message):
     env = {"TF_CONFIG": tf_config(jobs, "worker", 0)}
     with pytest.raises(ClusterError, match=message):
-        cluster.require_cluster(strategy, environ=env)
+        require_cluster(strategy, environ=env)
 
 
 def test_the_chief_is_worker_0_unless_there_is_a_chief_task():
-    assert cluster.parse_tf_config(tf_config(MW, "worker", 0)).is_chief
-    assert not cluster.parse_tf_config(tf_config(MW, "worker", 1)).is_chief
-    assert cluster.parse_tf_config(tf_config(PS, "chief", 0)).is_chief
-    assert not cluster.parse_tf_config(tf_config(PS, "worker", 0)).is_chief
+    assert parse_tf_config(tf_config(MW, "worker", 0)).is_chief
+    assert not parse_tf_config(tf_config(MW, "worker", 1)).is_chief
+    assert parse_tf_config(tf_config(PS, "chief", 0)).is_chief
+    assert not parse_tf_config(tf_config(PS, "worker", 0)).is_chief
 
 
 # ----------------------------------------------------------------------------- ports
 def test_a_port_in_use_is_reported(listening_port):
     with pytest.raises(ClusterError, match=f"port {listening_port} of worker 1 127.0.0.1:"
                                            f"{listening_port} is already in use"):
-        cluster.check_port_free(f"127.0.0.1:{listening_port}", what="worker 1")
+        check_port_free(f"127.0.0.1:{listening_port}", what="worker 1")
 
 
 def test_free_ports_are_distinct_and_bindable():
-    ports = cluster.free_ports(5)
+    ports = free_ports(5)
     assert len(set(ports)) == 5
     for port in ports:
-        cluster.check_port_free(f"127.0.0.1:{port}")
+        check_port_free(f"127.0.0.1:{port}")
 
 
 # ----------------------------------------------------------------------------- plans
 def test_multi_worker_plan_has_workers_only():
-    plan = cluster.plan_job("multi_worker", workers=3, ports=cluster.free_ports(3))
+    plan = plan_job("multi_worker", workers=3, ports=free_ports(3))
     assert [t.name for t in plan.tasks] == ["worker 0", "worker 1", "worker 2"]
     assert all(t.finishes for t in plan.tasks)
     assert list(plan.cluster) == ["worker"]
-    config = cluster.parse_tf_config(plan.tf_config(plan.tasks[2]))
+    config = parse_tf_config(plan.tf_config(plan.tasks[2]))
     assert (config.task_type, config.task_index) == ("worker", 2)
     assert all(a.startswith("127.0.0.1:") for a in plan.cluster["worker"])
 
 
 def test_parameter_server_plan_has_a_chief_workers_and_ps():
-    plan = cluster.plan_job("parameter_server", workers=2, ps=2)
+    plan = plan_job("parameter_server", workers=2, ps=2)
     assert [t.name for t in plan.tasks] == ["chief 0", "worker 0", "worker 1", "ps 0", "ps 1"]
     # Only the coordinator finishes; workers and ps tasks serve until stopped.
     assert [t.finishes for t in plan.tasks] == [True, False, False, False, False]
     assert {job: len(a) for job, a in plan.cluster.items()} == {"chief": 1, "worker": 2, "ps": 2}
-    cluster.check_jobs(cluster.parse_tf_config(plan.tf_config(plan.tasks[3])), "parameter_server")
+    check_jobs(parse_tf_config(plan.tf_config(plan.tasks[3])), "parameter_server")
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -139,23 +141,22 @@ def test_parameter_server_plan_has_a_chief_workers_and_ps():
 def test_bad_plans_are_refused(kwargs, message):
     strategy = kwargs.pop("strategy")
     with pytest.raises(ClusterError, match=message):
-        cluster.plan_job(strategy, **kwargs)
+        plan_job(strategy, **kwargs)
 
 
 def test_a_given_port_that_is_taken_is_refused(listening_port):
     with pytest.raises(ClusterError, match=f"port {listening_port} of worker 1 .* already in use"):
-        cluster.plan_job("multi_worker", workers=2,
-                         ports=[cluster.free_ports(1)[0], listening_port])
+        plan_job("multi_worker", workers=2, ports=[free_ports(1)[0], listening_port])
 
 
 def test_train_args_get_one_shared_model_dir():
-    strategy, args = cluster.train_args_for_cluster(["--strategy", "multi_worker", "--lr", "1"])
+    strategy, args = train_args_for_cluster(["--strategy", "multi_worker", "--lr", "1"])
     assert strategy == "multi_worker"
-    assert cluster.flag_value(args, "--model-dir").startswith(os.path.join("runs", "multi_worker-"))
-    _, args = cluster.train_args_for_cluster(["--strategy=parameter_server", "--model-dir=m"])
-    assert cluster.flag_value(args, "--model-dir") == "m" and "--model-dir" not in args
+    assert flag_value(args, "--model-dir").startswith(os.path.join("runs", "multi_worker-"))
+    _, args = train_args_for_cluster(["--strategy=parameter_server", "--model-dir=m"])
+    assert flag_value(args, "--model-dir") == "m" and "--model-dir" not in args
     with pytest.raises(ClusterError, match="give train.py's --strategy after --"):
-        cluster.train_args_for_cluster(["--lr", "1"])
+        train_args_for_cluster(["--lr", "1"])
 
 
 # ----------------------------------------------------------------------------- processes
@@ -166,11 +167,11 @@ def python_tasks(scripts: dict):
 
 def test_job_streams_prefixed_output_and_succeeds():
     out = io.StringIO()
-    plan = cluster.plan_job("multi_worker", workers=2)
+    plan = plan_job("multi_worker", workers=2)
     code = ("import json, os; c = json.loads(os.environ['TF_CONFIG']); "
             "print('hello from', c['task']['index'])")
-    status = cluster.run_job(lambda: plan, python_tasks({"worker 0": code, "worker 1": code}),
-                             out=out)
+    status = run_job(lambda: plan, python_tasks({"worker 0": code, "worker 1": code}),
+                     out=out)
     assert status == 0
     lines = out.getvalue().splitlines()
     assert "[worker 0] hello from 0" in lines and "[worker 1] hello from 1" in lines
@@ -183,9 +184,9 @@ def test_a_failed_task_stops_the_others(tmp_path):
                "time.sleep(600)")
     failing = (f"import os, time\nwhile not os.path.exists({str(pid_file)!r}): time.sleep(0.01)\n"
                "raise SystemExit(3)")
-    plan = cluster.plan_job("multi_worker", workers=2)
-    status = cluster.run_job(lambda: plan, python_tasks({"worker 0": sleeper, "worker 1": failing}),
-                             out=out)
+    plan = plan_job("multi_worker", workers=2)
+    status = run_job(lambda: plan, python_tasks({"worker 0": sleeper, "worker 1": failing}),
+                     out=out)
     assert status == 3
     assert "[launch] worker 1 exited with status 3; stopping the job" in out.getvalue()
     with pytest.raises(ProcessLookupError):  # stopped and reaped by the launcher
@@ -198,19 +199,19 @@ def test_restarts_run_the_whole_job_again(tmp_path):
              f"    open({str(marker)!r}, 'w').close(); raise SystemExit(1)")
     scripts = {"worker 0": "print('ok')", "worker 1": flaky}
     out = io.StringIO()
-    assert cluster.run_job(lambda: cluster.plan_job("multi_worker", workers=2),
-                           python_tasks(scripts), restarts=1, out=out) == 0
+    assert run_job(lambda: plan_job("multi_worker", workers=2),
+                   python_tasks(scripts), restarts=1, out=out) == 0
     assert "[launch] restarting the whole job (restart 1 of 1)" in out.getvalue()
     marker.unlink()
-    assert cluster.run_job(lambda: cluster.plan_job("multi_worker", workers=2),
-                           python_tasks(scripts), restarts=0, out=io.StringIO()) == 1
+    assert run_job(lambda: plan_job("multi_worker", workers=2),
+                   python_tasks(scripts), restarts=0, out=io.StringIO()) == 1
 
 
 def test_a_usage_error_is_not_restarted():
     out = io.StringIO()
     scripts = {"worker 0": "raise SystemExit(2)", "worker 1": "raise SystemExit(2)"}
-    assert cluster.run_job(lambda: cluster.plan_job("multi_worker", workers=2),
-                           python_tasks(scripts), restarts=3, out=out) == 2
+    assert run_job(lambda: plan_job("multi_worker", workers=2),
+                   python_tasks(scripts), restarts=3, out=out) == 2
     assert "restarting" not in out.getvalue()
 
 
@@ -218,8 +219,8 @@ def test_a_server_that_exits_early_fails_the_job():
     out = io.StringIO()
     forever = "import time; time.sleep(600)"
     scripts = {"chief 0": forever, "worker 0": "pass", "ps 0": forever}
-    plan = cluster.plan_job("parameter_server", workers=1, ps=1)
-    assert cluster.run_job(lambda: plan, python_tasks(scripts), out=out) == 1
+    plan = plan_job("parameter_server", workers=1, ps=1)
+    assert run_job(lambda: plan, python_tasks(scripts), out=out) == 1
     assert "[launch] worker 0 exited before the job finished; stopping the job" in out.getvalue()
 
 
@@ -227,6 +228,6 @@ def test_servers_are_stopped_when_the_chief_finishes():
     out = io.StringIO()
     forever = "import time; time.sleep(600)"
     scripts = {"chief 0": "print('done')", "worker 0": forever, "ps 0": forever}
-    plan = cluster.plan_job("parameter_server", workers=1, ps=1)
-    assert cluster.run_job(lambda: plan, python_tasks(scripts), out=out) == 0
+    plan = plan_job("parameter_server", workers=1, ps=1)
+    assert run_job(lambda: plan, python_tasks(scripts), out=out) == 0
     assert "[chief 0] done" in out.getvalue()

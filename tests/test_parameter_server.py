@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import REPO
-from tfpar.parallel import cluster
+from tfpar.parallel.cluster.tf_config import parse_tf_config
 from tfpar.objective import step as steps
 from tfpar.training import summaries
 from tfpar.tools.cli import train_main
@@ -116,7 +116,7 @@ def test_sharded_gradients_and_updates_match_unsharded_ones(tmp_path):
 ])
 def test_settings_asynchronous_training_cannot_honour(config, message):
     tf_config = ps_config()
-    plugin = ps.Coordinator(None, None, cluster.parse_tf_config(tf_config))
+    plugin = ps.Coordinator(None, None, parse_tf_config(tf_config))
     with pytest.raises(ConfigError, match=message):
         plugin.check_config(config)
 

@@ -21,13 +21,16 @@ from tfpar.errors import ConfigError, DeviceError
 from tfpar.data.pipeline import InputData
 from tfpar.model.lm import build_model
 from tfpar.parallel import build_strategy, cpu_devices_needed
-from tfpar.parallel.pipeline import (Placement, PipelinePlugin, Stage, parse_stages,
-                                       placement_from_config)
+from tfpar.parallel.pipeline.plugin import PipelinePlugin
+from tfpar.parallel.pipeline.stages import Placement, Stage, parse_stages, placement_from_config
 from tfpar.tools.verify import Setup, VerifySpec, run_plugin
-from tfpar.data.vocab import PAD_ID, Vocab
+from tfpar.data.vocab import Vocab
 
 MODEL = ModelConfig(embed_dim=16, hidden_dim=16, layers=2)
-CLIP = 0.05  # Below every gradient norm of these runs (asserted), so clipping fires.
+# Between the gradient norms of these runs (asserted): some steps are clipped, some not.
+# On a clipped step a gradient off by a constant factor gives the very same update, so
+# only the unclipped ones (and the norms) can tell a wrong gradient from a right one.
+CLIP = 0.15
 BATCH = 10  # 10 rows: 3 micro-batches get 4/3/3 rows.
 STEPS = 3
 CPU = [f"/device:CPU:{i}" for i in range(4)]
@@ -62,7 +65,27 @@ def run(stages="", micro_batches=1, mode="sentence", model=MODEL):
 
 
 def max_diff(a, b):
+    assert len(a) == len(b)
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+def slots_of(optimizer):
+    """The optimizer's variables (step count, learning rate, momentum slots) as arrays."""
+    return [np.asarray(v.numpy()) for v in optimizer.variables]
+
+
+def assert_clipped_and_unclipped(norms, clip=CLIP):
+    clipped = sum(n > clip for n in norms)
+    assert 0 < clipped < len(norms), (norms, clip)
+
+
+def assert_same_training(got, ref):
+    """Same gradient norms, weights and optimizer slots (SGD momentum) as ``ref``."""
+    assert len(got.grad_norms) == STEPS
+    np.testing.assert_allclose(got.grad_norms, ref.grad_norms, rtol=1e-5)
+    assert max_diff(got.weights, ref.weights) <= 1e-5
+    assert len(ref.slots) == len(ref.weights) + 2  # iterations, learning rate, momenta
+    assert max_diff(got.slots, ref.slots) <= 1e-5
 
 
 # ----------------------------------------------------------------- equal to one device
@@ -75,10 +98,8 @@ def max_diff(a, b):
         "M1-3dev-stream", "M2-2dev-stream", "M3-3dev-stream"])
 def test_pipeline_matches_default_with_clipping(micro_batches, stages, mode):
     ref, got = run(mode=mode), run(stages, micro_batches, mode)
-    assert min(ref.grad_norms) > CLIP  # Clipping fired on every step.
-    assert len(got.grad_norms) == STEPS
-    np.testing.assert_allclose(got.grad_norms, ref.grad_norms, rtol=1e-5)
-    assert max_diff(got.weights, ref.weights) <= 1e-5
+    assert_clipped_and_unclipped(ref.grad_norms)
+    assert_same_training(got, ref)
     assert max_diff(got.weights, setup(mode).initial_weights) > 1e-3  # The weights moved.
     assert got.eval_count == ref.eval_count
     assert got.eval_nll == pytest.approx(ref.eval_nll, rel=1e-6)
@@ -89,19 +110,34 @@ def test_tied_embedding_split_from_its_softmax_matches_default():
     tied = ModelConfig(embed_dim=16, hidden_dim=16, layers=1, tie_embeddings=True)
     ref = run(model=tied)
     got = run("embedding=/cpu:0,rnn_0=/cpu:1,softmax=/cpu:2", 2, model=tied)
-    assert max_diff(got.weights, ref.weights) <= 1e-5
+    assert_clipped_and_unclipped(ref.grad_norms)
+    assert len(ref.weights) == 5  # One matrix for the embedding and the softmax.
+    assert_same_training(got, ref)
+    assert got.eval_count == ref.eval_count
     assert got.eval_nll == pytest.approx(ref.eval_nll, rel=1e-6)
 
 
 # ----------------------------------------------------------------- empty micro-batches
-def fresh(dist, clip=CLIP, model_config=MODEL):
+def build(dist, model_config=MODEL, momentum=0.0):
     plugin = build_strategy(dist)
     with plugin.scope():
         model = build_model(model_config, len(setup().data.vocab), seed=0)
         model.set_weights(setup().initial_weights)
-        optimizer = keras.optimizers.SGD(0.5)
+        optimizer = keras.optimizers.SGD(0.5, momentum=momentum)
         optimizer.build(model.trainable_variables)
+    return plugin, model, optimizer
+
+
+def fresh(dist, clip=CLIP, model_config=MODEL):
+    plugin, model, optimizer = build(dist, model_config)
     return plugin, model, plugin.make_train_step(model, optimizer, clip_norm=clip)
+
+
+def clipped_and_unclipped_steps(dist):
+    """SGD-momentum train steps of one model: clipped to CLIP, and with no clipping (0)."""
+    plugin, model, optimizer = build(dist, momentum=0.5)
+    steps = [plugin.make_train_step(model, optimizer, clip_norm=clip) for clip in (CLIP, 0.0)]
+    return plugin, model, optimizer, steps
 
 
 @pytest.mark.parametrize("name,rows,micro_batches", [
@@ -112,27 +148,35 @@ def fresh(dist, clip=CLIP, model_config=MODEL):
 ])
 def test_empty_micro_batches_give_the_default_update(name, rows, micro_batches):
     batch = batch_of(rows)
-    _, ref_model, ref_step = fresh(DistConfig())
-    _, model, step = fresh(DistConfig(strategy="pipeline", stages=TWO,
-                                      micro_batches=micro_batches))
-    ref_out, out = ref_step(batch), step(batch)
-    assert np.isfinite(float(out.grad_norm)) and float(out.grad_norm) > CLIP
-    assert float(out.count) == float(ref_out.count) == float((np.array(rows) != 0).sum())
-    assert float(out.nll_sum) == pytest.approx(float(ref_out.nll_sum), rel=1e-6)
-    assert float(out.grad_norm) == pytest.approx(float(ref_out.grad_norm), rel=1e-5)
+    _, ref_model, ref_optimizer, ref_steps = clipped_and_unclipped_steps(DistConfig())
+    _, model, optimizer, steps = clipped_and_unclipped_steps(
+        DistConfig(strategy="pipeline", stages=TWO, micro_batches=micro_batches))
+    for k in range(2):  # A clipped step, then an unclipped one from where it left off.
+        ref_out, out = ref_steps[k](batch), steps[k](batch)
+        assert np.isfinite(float(out.grad_norm))
+        assert k or float(ref_out.grad_norm) > CLIP  # Step 0 is clipped (step 1: clip 0).
+        assert float(out.count) == float(ref_out.count) == float((np.array(rows) != 0).sum())
+        assert float(out.nll_sum) == pytest.approx(float(ref_out.nll_sum), rel=1e-6)
+        assert float(out.grad_norm) == pytest.approx(float(ref_out.grad_norm), rel=1e-5)
     assert max_diff(model.get_weights(), ref_model.get_weights()) <= 1e-6
+    slots = slots_of(optimizer)
+    assert len(slots) == len(model.trainable_variables) + 2
+    assert max_diff(slots, slots_of(ref_optimizer)) <= 1e-6
 
 
 def test_stream_state_with_empty_micro_batches_keeps_the_global_rows():
     """Stream eval and train with 3 rows in 4 micro-batches: the state comes back as
-    [3, H] per tensor and equals one device's, window after window."""
+    [3, H] per tensor and equals one device's, window after window; training (a clipped
+    window, then an unclipped one) leaves the same weights and momentum slots."""
     batch = batch_of([[5, 6, 7], [8, 9, 2], [4, 4, 4]])
-    plugin, model, step = fresh(DistConfig(strategy="pipeline", stages=TWO, micro_batches=4))
-    ref_plugin, ref_model, ref_step = fresh(DistConfig())
+    plugin, model, optimizer, steps = clipped_and_unclipped_steps(
+        DistConfig(strategy="pipeline", stages=TWO, micro_batches=4))
+    ref_plugin, ref_model, ref_optimizer, ref_steps = clipped_and_unclipped_steps(DistConfig())
     evals = (plugin.make_eval_step(model), ref_plugin.make_eval_step(ref_model))
-    for fns in (evals, (step, ref_step)):
+    norms = []
+    for pairs in ([evals] * 2, list(zip(steps, ref_steps))):
         state = ref_state = None
-        for _ in range(2):  # The second window starts from the carried state.
+        for fns in pairs:  # The second window starts from the carried state.
             out, ref = fns[0](batch, state), fns[1](batch, ref_state)
             state, ref_state = out.state, ref.state
             assert float(out.nll_sum) == pytest.approx(float(ref.nll_sum), rel=1e-6)
@@ -140,6 +184,12 @@ def test_stream_state_with_empty_micro_batches_keeps_the_global_rows():
             for s, r in zip(tf.nest.flatten(state), tf.nest.flatten(ref_state)):
                 assert s.shape == (3, MODEL.hidden_dim)
                 np.testing.assert_allclose(s.numpy(), r.numpy(), atol=1e-6)
+            if out.grad_norm is not None:  # Training: window 1 clipped, window 2 not.
+                assert float(out.grad_norm) == pytest.approx(float(ref.grad_norm), rel=1e-5)
+                norms.append(float(ref.grad_norm))
+    assert norms[0] > CLIP  # The first window's step is clipped; the second has no clip.
+    assert max_diff(model.get_weights(), ref_model.get_weights()) <= 1e-6
+    assert max_diff(slots_of(optimizer), slots_of(ref_optimizer)) <= 1e-6
 
 
 # ----------------------------------------------------------------- placement

@@ -1,8 +1,10 @@
 """Every data-parallel plug-in computes what one device computes.
 
 Same initial weights, same global batches (bucketed, variable-length: replicas hold
-unequal token counts, and 10 rows do not split evenly over 3 replicas), dropout off, SGD,
-and a clip norm below every gradient norm, so clipping after aggregation is exercised.
+unequal token counts, and 10 rows do not split evenly over 3 replicas), dropout off, SGD
+with momentum (its slots are compared like the weights), and a clip norm between the
+gradient norms, so some steps are clipped after aggregation and some are not: on a clipped
+step a gradient off by a constant factor gives the same update, on an unclipped one not.
 """
 
 import functools
@@ -19,7 +21,7 @@ from tfpar.tools.verify import Setup, VerifySpec, run_plugin
 from tfpar.data.vocab import Vocab
 
 MODEL = ModelConfig(embed_dim=16, hidden_dim=16)
-CLIP = 0.05
+CLIP = 0.15  # Between the runs' gradient norms (asserted): some steps clipped, some not.
 STEPS = 3
 BATCH = 10
 CPU = tuple(f"/device:CPU:{i}" for i in range(4))
@@ -53,6 +55,7 @@ def run(strategy, replicas, mode):
 
 
 def max_diff(a, b):
+    assert len(a) == len(b)
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
@@ -60,10 +63,16 @@ def max_diff(a, b):
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_mirrored_matches_default_with_clipping(replicas, mode):
     ref, got = run("default", 1, mode), run("mirrored", replicas, mode)
-    assert min(ref.grad_norms) > CLIP  # Clipping fired on every step.
+    clipped = sum(n > CLIP for n in ref.grad_norms)
+    assert 0 < clipped < STEPS, ref.grad_norms  # Clipped and unclipped steps.
+    assert len(got.grad_norms) == STEPS
     np.testing.assert_allclose(got.grad_norms, ref.grad_norms, rtol=1e-5)
     assert max_diff(ref.weights, setup(mode).initial_weights) > 1e-3  # Training moved them.
     assert max_diff(got.weights, ref.weights) <= 1e-5
+    # The optimizer's variables: step count, learning rate and a momentum slot per weight.
+    assert len(got.slots) == len(ref.slots) == len(ref.weights) + 2
+    assert max_diff(ref.slots[2:], [0 * w for w in ref.weights]) > 1e-3  # Momentum built up.
+    assert max_diff(got.slots, ref.slots) <= 1e-5
     # Eval of the trained weights, distributed like training.
     assert got.eval_count == ref.eval_count
     assert got.eval_nll == pytest.approx(ref.eval_nll, rel=1e-6)

@@ -10,7 +10,7 @@ import sys
 import keras
 import numpy as np
 import pytest
-from conftest import batch_of
+from conftest import UNPLACED, batch_of, placed_ops
 import tensorflow as tf
 
 from tfpar.tools import cli
@@ -25,7 +25,10 @@ from tfpar.tools.verify import Setup, VerifySpec, run_plugin
 from tfpar.data.vocab import PAD_ID, Vocab
 
 MODEL = ModelConfig(embed_dim=16, hidden_dim=16)
-CLIP = 0.05  # Below every gradient norm of these runs (asserted), so clipping fires.
+# Between the gradient norms of these runs (asserted): some steps are clipped, some not.
+# On a clipped step a gradient off by a constant factor gives the very same update, so
+# only the unclipped ones (and the norms) can tell a wrong gradient from a right one.
+CLIP = 0.15
 BATCH = 10  # 10 rows: 3 towers get 4/3/3, 4 towers 3/3/2/2.
 STEPS = 3
 CPU = [f"/device:CPU:{i}" for i in range(4)]
@@ -58,7 +61,27 @@ def run(strategy="default", towers=1, reduce="controller", mode="sentence"):
 
 
 def max_diff(a, b):
+    assert len(a) == len(b)
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+def slots_of(optimizer):
+    """The optimizer's variables (step count, learning rate, momentum slots) as arrays."""
+    return [np.asarray(v.numpy()) for v in optimizer.variables]
+
+
+def assert_clipped_and_unclipped(norms, clip=CLIP):
+    clipped = sum(n > clip for n in norms)
+    assert 0 < clipped < len(norms), (norms, clip)
+
+
+def assert_same_training(got, ref):
+    """Same gradient norms, weights and optimizer slots (SGD momentum) as ``ref``."""
+    assert len(got.grad_norms) == STEPS
+    np.testing.assert_allclose(got.grad_norms, ref.grad_norms, rtol=1e-5)
+    assert max_diff(got.weights, ref.weights) <= 1e-5
+    assert len(ref.slots) == len(ref.weights) + 2  # iterations, learning rate, momenta
+    assert max_diff(got.slots, ref.slots) <= 1e-5
 
 
 # ----------------------------------------------------------------- equal to one device
@@ -68,10 +91,8 @@ def max_diff(a, b):
 ])
 def test_tower_matches_default_with_clipping(towers, reduce):
     ref, got = run(), run("tower", towers, reduce)
-    assert min(ref.grad_norms) > CLIP  # Clipping fired on every step.
-    assert len(got.grad_norms) == STEPS
-    np.testing.assert_allclose(got.grad_norms, ref.grad_norms, rtol=1e-5)
-    assert max_diff(got.weights, ref.weights) <= 1e-5
+    assert_clipped_and_unclipped(ref.grad_norms)
+    assert_same_training(got, ref)
     assert max_diff(got.weights, setup().initial_weights) > 1e-3  # The weights did move.
     assert got.eval_count == ref.eval_count
     assert got.eval_nll == pytest.approx(ref.eval_nll, rel=1e-6)
@@ -81,12 +102,13 @@ def test_tower_matches_default_with_clipping(towers, reduce):
 def test_ring_and_controller_give_the_same_update(towers):
     ring, controller = run("tower", towers, "ring"), run("tower", towers, "controller")
     assert max_diff(ring.weights, controller.weights) <= 1e-6
+    assert max_diff(ring.slots, controller.slots) <= 1e-6
 
 
 def test_tower_stream_mode_carries_state_like_default():
     ref, got = run(mode="stream"), run("tower", 3, "ring", mode="stream")
-    assert min(ref.grad_norms) > CLIP
-    assert max_diff(got.weights, ref.weights) <= 1e-5
+    assert_clipped_and_unclipped(ref.grad_norms)
+    assert_same_training(got, ref)
     assert got.eval_count == ref.eval_count
     assert got.eval_nll == pytest.approx(ref.eval_nll, rel=1e-6)
 
@@ -107,15 +129,29 @@ def test_ring_all_reduce_sums_on_every_device(towers):
 
 
 # ----------------------------------------------------------------- empty shards
-def fresh(plugin_or_dist, clip=CLIP):
+def build(plugin_or_dist, momentum=0.0):
     plugin = (plugin_or_dist if isinstance(plugin_or_dist, TowerPlugin)
               else build_strategy(plugin_or_dist))
     with plugin.scope():
         model = build_model(MODEL, len(setup().data.vocab), seed=0)
         model.set_weights(setup().initial_weights)
-        optimizer = keras.optimizers.SGD(0.5)
+        optimizer = keras.optimizers.SGD(0.5, momentum=momentum)
         optimizer.build(model.trainable_variables)
+    return plugin, model, optimizer
+
+
+def fresh(plugin_or_dist, clip=CLIP):
+    plugin, model, optimizer = build(plugin_or_dist)
     return plugin, model, plugin.make_train_step(model, optimizer, clip_norm=clip)
+
+
+def clipped_then_unclipped(dist, batch):
+    """Two SGD-momentum steps on ``batch``: clipped to CLIP, then with no clipping (0).
+    Returns both steps' outputs, the weights and the optimizer's variables."""
+    plugin, model, optimizer = build(dist, momentum=0.5)
+    outs = [plugin.make_train_step(model, optimizer, clip_norm=clip)(batch)
+            for clip in (CLIP, 0.0)]
+    return outs, model.get_weights(), slots_of(optimizer)
 
 
 @pytest.mark.parametrize("name,rows,towers", [
@@ -126,14 +162,18 @@ def fresh(plugin_or_dist, clip=CLIP):
 ])
 def test_zero_token_shards_give_the_default_update(name, rows, towers):
     batch = batch_of(rows)
-    _, ref_model, ref_step = fresh(DistConfig())
-    _, model, step = fresh(DistConfig(strategy="tower", devices=tuple(CPU[:towers])))
-    ref_out, out = ref_step(batch), step(batch)
-    assert np.isfinite(float(out.grad_norm)) and float(out.grad_norm) > CLIP
-    assert float(out.count) == float(ref_out.count) == float((np.array(rows) != 0).sum())
-    assert float(out.nll_sum) == pytest.approx(float(ref_out.nll_sum), rel=1e-6)
-    assert max_diff(model.get_weights(), ref_model.get_weights()) <= 1e-6
-    assert all(np.isfinite(w).all() for w in model.get_weights())
+    ref_outs, ref_weights, ref_slots = clipped_then_unclipped(DistConfig(), batch)
+    outs, weights, slots = clipped_then_unclipped(
+        DistConfig(strategy="tower", devices=tuple(CPU[:towers])), batch)
+    assert float(ref_outs[0].grad_norm) > CLIP  # The first step is clipped, not the second.
+    for out, ref_out in zip(outs, ref_outs):
+        assert np.isfinite(float(out.grad_norm))
+        assert float(out.grad_norm) == pytest.approx(float(ref_out.grad_norm), rel=1e-5)
+        assert float(out.count) == float(ref_out.count) == float((np.array(rows) != 0).sum())
+        assert float(out.nll_sum) == pytest.approx(float(ref_out.nll_sum), rel=1e-6)
+    assert max_diff(weights, ref_weights) <= 1e-6
+    assert len(slots) == len(weights) + 2 and max_diff(slots, ref_slots) <= 1e-6
+    assert all(np.isfinite(w).all() for w in weights)
 
 
 def test_eval_state_with_empty_towers_keeps_the_global_rows():
@@ -156,39 +196,7 @@ def test_eval_state_with_empty_towers_keeps_the_global_rows():
 # ----------------------------------------------------------------- placement
 SPEC = {"inputs": tf.TensorSpec([None, None], tf.int32),
         "targets": tf.TensorSpec([None, None], tf.int32)}
-# Ops the tracer leaves without a device: reads of the weights (TF puts them with the
-# variable they read), function arguments and folded constants.
-UNPLACED = {"ReadVariableOp", "Placeholder", "Const", "_Arg", "_Retval", "NoOp"}
 ASSIGNS = {"AssignSubVariableOp", "AssignAddVariableOp", "AssignVariableOp"}
-
-
-def tower_of(op_name):
-    for prefix in ("", "gradient_tape/"):
-        for i in range(4):
-            if op_name.startswith(f"{prefix}tower_{i}/"):
-                return i
-    return None
-
-
-def placed_ops(graph_def):
-    """``(node, device, tower)`` for every op of the step, including the ops inside the
-    functions it calls (RNN loops, compiled recurrences, conds); an op with no device of
-    its own runs on its caller's device and belongs to its caller's tower."""
-    functions = {f.signature.name: f for f in graph_def.library.function}
-
-    def walk(nodes, device, tower):
-        for node in nodes:
-            node_tower = tower if tower is not None else tower_of(node.name)
-            node_device = node.device or device
-            yield node, node_device, node_tower
-            for value in node.attr.values():
-                called = [value.func.name] if value.HasField("func") else []
-                called += [f.name for f in value.list.func]
-                for name in called:
-                    if name in functions:
-                        yield from walk(functions[name].node_def, node_device, node_tower)
-
-    return list(walk(graph_def.node, "", None))
 
 
 @pytest.mark.parametrize("reduce", ["controller", "ring"])
@@ -199,7 +207,7 @@ def test_traced_step_places_towers_and_updates(reduce):
     _, model, step = fresh(plugin)
     for v in model.trainable_variables:
         assert v.value.device.endswith("CPU:3")
-    ops = placed_ops(step.function.get_concrete_function(SPEC).graph.as_graph_def())
+    ops = placed_ops(step.function.get_concrete_function(SPEC).graph.as_graph_def(), "tower")
 
     for i in range(3):
         tower = [(node, device) for node, device, t in ops

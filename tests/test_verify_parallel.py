@@ -16,7 +16,7 @@ SMALL = ["--steps", "2", "--hidden-dim", "8", "--embed-dim", "8"]
 
 def load_script():
     spec = importlib.util.spec_from_file_location(
-        "verify_parallel_script", verify.__file__.replace("tfpar/verify.py",
+        "verify_parallel_script", verify.__file__.replace("tfpar/tools/verify.py",
                                                           "scripts/verify_parallel.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

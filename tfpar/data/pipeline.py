@@ -38,7 +38,6 @@ would hold no rows holds one row of padding instead (zero tokens, zero gradient)
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Sequence
 
@@ -155,14 +154,6 @@ def per_replica(global_batches: tf.data.Dataset, input_context=None) -> tf.data.
 
 
 # ----------------------------------------------------------------------------- datasets
-@dataclasses.dataclass
-class Split:
-    """One split's lines and, once built, its token statistics."""
-
-    name: str
-    lines: list[str]
-
-
 class InputData:
     """Builds the datasets of every split for one corpus and vocabulary.
 

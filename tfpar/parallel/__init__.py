@@ -17,7 +17,8 @@ from tfpar.parallel import distribute
 from tfpar.parallel import multi_worker
 from tfpar.parallel import parallel_do
 from tfpar.parallel import parameter_server
-from tfpar.parallel import pipeline
+from tfpar.parallel.pipeline import plugin as pipeline
+from tfpar.parallel.pipeline import stages as pipeline_stages
 from tfpar.parallel import tower
 from tfpar.parallel.base import StrategyPlugin
 
@@ -62,7 +63,7 @@ def cpu_devices_needed(dist: DistConfig) -> int:
     if dist.cpu_devices:
         return dist.cpu_devices
     needed = 1
-    for name in dist.devices + pipeline.stage_device_names(dist.stages):
+    for name in dist.devices + pipeline_stages.stage_device_names(dist.stages):
         if name.strip().lower().lstrip("/").startswith("cpu:"):
             needed = max(needed, int(name.rsplit(":", 1)[1]) + 1)
     if dist.strategy in ("mirrored", "tower", "pipeline", "parallel_do"):

@@ -31,11 +31,10 @@ works (checked with 2 processes: both workers end with identical weights).
 from __future__ import annotations
 
 import logging
-import os
 
 import tensorflow as tf
 
-from tfpar.parallel import cluster
+from tfpar.parallel.cluster.tf_config import ClusterConfig, check_port_free, require_cluster
 from tfpar.parallel import devices as devices_lib
 from tfpar.config import DistConfig
 from tfpar.errors import ClusterError, ConfigError
@@ -57,7 +56,7 @@ class MultiWorkerPlugin(DistributePlugin):
     """The mirrored step on a ``MultiWorkerMirroredStrategy``; knows its place in the cluster."""
 
     def __init__(self, strategy: tf.distribute.MultiWorkerMirroredStrategy,
-                 config: cluster.ClusterConfig):
+                 config: ClusterConfig):
         local = list(strategy.extended.worker_devices)
         super().__init__("multi_worker", strategy, local)
         self.cluster = config
@@ -106,7 +105,7 @@ def build_multi_worker(dist: DistConfig) -> MultiWorkerPlugin:
         taken.
       ConfigError: --devices, --cpu-devices > 1 without GPUs, or nccl without GPUs.
     """
-    config = cluster.require_cluster("multi_worker")
+    config = require_cluster("multi_worker")
     if dist.devices:
         raise ConfigError(f"--devices {','.join(dist.devices)}: multi_worker uses every GPU of "
                           "each worker (or its CPU); choose GPUs with CUDA_VISIBLE_DEVICES")
@@ -120,7 +119,7 @@ def build_multi_worker(dist: DistConfig) -> MultiWorkerPlugin:
     if key in _BUILT:
         return _BUILT[key]
     # The strategy starts this task's gRPC server; a taken port must fail here, clearly.
-    cluster.check_port_free(config.address)
+    check_port_free(config.address)
     try:
         strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     except RuntimeError as e:

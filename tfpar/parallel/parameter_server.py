@@ -58,7 +58,7 @@ from tfpar.errors import ClusterError, ConfigError
 from tfpar.model.lm import detached_copy
 from tfpar.objective import losses, step
 from tfpar.objective.step import StepOutput
-from tfpar.parallel import cluster
+from tfpar.parallel.cluster.tf_config import ClusterConfig, check_port_free, require_cluster
 
 log = logging.getLogger(__name__)
 ShardedVariable = tf.__internal__.distribute.ShardedVariable
@@ -162,7 +162,7 @@ class Coordinator:
 
     def __init__(self, strategy: tf.distribute.ParameterServerStrategy,
                  coordinator: tf.distribute.coordinator.ClusterCoordinator,
-                 config: cluster.ClusterConfig):
+                 config: ClusterConfig):
         self.strategy, self.coordinator, self.cluster = strategy, coordinator, config
         # Bumped by every scheduled step; an eval step copies the parameters again when
         # its copy is older.
@@ -276,7 +276,7 @@ class Coordinator:
 class ServerTask:
     """A worker or ps task of a parameter-server cluster: it serves, it does not train."""
 
-    def __init__(self, config: cluster.ClusterConfig):
+    def __init__(self, config: ClusterConfig):
         self.cluster = config
 
     def describe(self) -> str:
@@ -284,7 +284,7 @@ class ServerTask:
 
     def serve(self) -> None:
         """Serves this task until the process is stopped."""
-        cluster.check_port_free(self.cluster.address)
+        check_port_free(self.cluster.address)
         server = tf.distribute.Server(
             tf.train.ClusterSpec({job: list(a) for job, a in self.cluster.cluster.items()}),
             job_name=self.cluster.task_type, task_index=self.cluster.task_index,
@@ -293,7 +293,7 @@ class ServerTask:
         server.join()
 
 
-def _cluster(dist: DistConfig) -> cluster.ClusterConfig:
+def _cluster(dist: DistConfig) -> ClusterConfig:
     """The parameter-server cluster TF_CONFIG describes, checked against ``dist``.
 
     Raises:
@@ -301,7 +301,7 @@ def _cluster(dist: DistConfig) -> cluster.ClusterConfig:
       ConfigError: --devices or --cpu-devices > 1 (a worker computes a step on its CPU:0
         or its GPU).
     """
-    config = cluster.require_cluster("parameter_server")
+    config = require_cluster("parameter_server")
     if dist.devices or dist.cpu_devices > 1:
         flag = f"--devices {','.join(dist.devices)}" if dist.devices else \
             f"--cpu-devices {dist.cpu_devices}"
@@ -331,7 +331,7 @@ def build_coordinator(dist: DistConfig) -> Coordinator:
     if config.task_type != "chief":
         raise ClusterError(f"{config.task_name} of a parameter_server cluster only serves; "
                            "the coordinator runs on the chief task")
-    cluster.check_port_free(config.address)
+    check_port_free(config.address)
     # The steps the coordinator sends to workers leave their outputs on "/device:CPU:0",
     # which without soft placement matches the CPU of every task and fails.
     if not tf.config.get_soft_device_placement():

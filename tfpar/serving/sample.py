@@ -12,7 +12,8 @@ runs inside a ``tf.function``::
     then, up to ``max_tokens`` times:  pick a token → append → feed it with the state.
 
 A row stops at ``<eos>`` (which is not part of the text); ``<pad>`` and ``<unk>`` are never
-picked. The output text is the continuation only, without the prompt.
+picked; a row whose scores are not finite (a diverged model) stops at once. The output
+text is the continuation only, without the prompt.
 
 Token choice: greedy (argmax) when ``temperature <= 0`` or ``top_k == 1``; otherwise a draw
 from ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens
@@ -63,7 +64,8 @@ def choose_tokens(logits: tf.Tensor, step: tf.Tensor, *, temperature: tf.Tensor,
       seed: int32 scalar.
 
     Returns:
-      [B] int32 token ids, never ``<pad>`` or ``<unk>``.
+      [B] int32 token ids, never ``<pad>`` or ``<unk>``; ``<eos>`` where a row's scores
+      are not all finite.
     """
     logits = tf.cast(logits, tf.float32)
     vocab_size = tf.shape(logits)[1]
@@ -90,7 +92,13 @@ def choose_tokens(logits: tf.Tensor, step: tf.Tensor, *, temperature: tf.Tensor,
         return draw[:, 0]
 
     is_greedy = tf.logical_or(temperature <= 0.0, tf.equal(top_k, 1))
-    return tf.cond(is_greedy, greedy, sample)
+    token = tf.cond(is_greedy, greedy, sample)
+    # A diverged model (inf/NaN scores) has no distribution to draw from: there the draw
+    # returns vocab_size (an id outside the vocabulary) and argmax returns <pad>. Such a
+    # row ends at once with <eos> instead.
+    usable = tf.reduce_all(tf.logical_or(tf.math.is_finite(logits), banned[None, :]), axis=1)
+    usable = tf.logical_and(usable, tf.logical_and(token >= 0, token < vocab_size))
+    return tf.where(usable, token, EOS_ID)
 
 
 def generate_ids(model, prompt: tf.Tensor, lengths: tf.Tensor, *, max_tokens: tf.Tensor,

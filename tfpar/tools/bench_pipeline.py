@@ -49,22 +49,20 @@ def _train_step(stages: str, micro_batches: int, model_config, vocab_size: int, 
     import keras
 
     from tfpar.config import DistConfig
-    from tfpar.model.lm import build_model
     from tfpar.parallel import build_strategy
+    from tfpar.training.state import build_train_state
 
     plugin = build_strategy(DistConfig(strategy="pipeline", stages=stages,
                                        micro_batches=micro_batches))
-    with plugin.scope():
-        model = build_model(model_config, vocab_size, seed=seed)
-        optimizer = keras.optimizers.SGD(0.01)
-        optimizer.build(model.trainable_variables)
-    step = plugin.make_train_step(model, optimizer, clip_norm=5.0)
+    state = build_train_state(plugin.scope(), model_config, vocab_size, seed=seed,
+                              make_optimizer=lambda epoch: keras.optimizers.SGD(0.01))
+    step = plugin.make_train_step(state.model, state.optimizer, clip_norm=5.0)
     return step, len(plugin.stages)
 
 
 def _one_device(stages: str) -> str:
     """The same parts, every one on the first device named in ``stages``."""
-    from tfpar.parallel.pipeline import parse_stages
+    from tfpar.parallel.pipeline.stages import parse_stages
 
     spec = parse_stages(stages)
     first = next(iter(spec.values()))

@@ -37,7 +37,9 @@ from tfpar.model.lm import build_model
 from tfpar.objective import step
 from tfpar.objective.losses import perplexity, token_count
 from tfpar.objective.step import run_steps
-from tfpar.parallel import build_strategy, cluster, pipeline
+from tfpar.parallel import build_strategy
+from tfpar.parallel.cluster.local_job import plan_job, run_job
+from tfpar.parallel.pipeline.stages import even_stages
 from tfpar.parallel import devices as devices_lib
 from tfpar.tools.cli import run_main, setup_logging
 from tfpar.training.loop import evaluate
@@ -257,7 +259,7 @@ VERIFY_MICRO_BATCHES = 3
 def run_pipeline(setup: Setup, replicas: int) -> RunResult:
     """``verify_parallel.py``'s runner: ``pipeline:N`` cuts the model into N stages on N
     devices (:func:`even_stages`), with :data:`VERIFY_MICRO_BATCHES` micro-batches."""
-    stages = pipeline.even_stages(setup.model_config.layers, list(replica_devices(replicas)))
+    stages = even_stages(setup.model_config.layers, list(replica_devices(replicas)))
     return run_plugin(setup, DistConfig(strategy="pipeline", stages=stages,
                                         micro_batches=VERIFY_MICRO_BATCHES))
 
@@ -274,8 +276,8 @@ def run_multi_worker(setup: Setup, replicas: int) -> RunResult:
         np.savez(os.path.join(work, "weights.npz"), *setup.initial_weights)
         code = (f"import sys; sys.path.insert(0, {REPO!r}); "
                 f"from tfpar.tools.verify import multi_worker_task; multi_worker_task({work!r})")
-        status = cluster.run_job(lambda: cluster.plan_job("multi_worker", workers=replicas),
-                                 lambda task: [sys.executable, "-c", code], out=sys.stderr)
+        status = run_job(lambda: plan_job("multi_worker", workers=replicas),
+                         lambda task: [sys.executable, "-c", code], out=sys.stderr)
         if status:
             raise ClusterError(f"the multi_worker:{replicas} verify job failed (status "
                                f"{status}); its log is above")

@@ -110,7 +110,14 @@ class Writer:
         if self._inspector is None:
             return
         self._inspector.refresh(model)
-        self.gradient_norms(self._inspector.gradient_norms(model), step)
+        norms = self._inspector.gradient_norms(model)
+        self.gradient_norms(norms, step)
+        if not all(np.isfinite(n) for n in norms.values()):
+            # Diverged weights (e.g. a huge --lr under --on-nan skip): the next-token
+            # scores are not finite either, so there is no text to sample.
+            log.warning("the gradient on the fixed train batch is not finite at step %d "
+                        "(the weights have diverged): no text samples this epoch", step)
+            return
         self.text("train", "samples", self._inspector.samples(seed=step), step)
 
     def instrument(self, train_step, next_step: Callable[[], int],

@@ -1,0 +1,266 @@
+"""A whole cluster on this machine: real processes talking gRPC over 127.0.0.1.
+
+:func:`plan_job` lays out the tasks of a local ``multi_worker`` or ``parameter_server``
+job on free loopback ports; :class:`LocalJob` runs them as child processes, each with its
+own ``TF_CONFIG`` (see :mod:`tfpar.parallel.cluster.tf_config`), its output prefixed with
+its task; :func:`run_job` restarts the whole job after a failure. The last functions turn
+``train.py`` flags into the command every task runs. Used by ``scripts/launch_local.py``
+and ``scripts/verify_parallel.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from typing import Callable, Mapping, Sequence, TextIO
+
+from tfpar.errors import ClusterError
+from tfpar.parallel.cluster.tf_config import (CLUSTER_STRATEGIES, JOBS, LOOPBACK,
+                                              check_port_free, free_ports, tf_config_json)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One process of a local job."""
+
+    type: str
+    index: int
+    # Whether the job is done only when this task has exited 0; False for servers
+    # (parameter-server workers and ps tasks), which run until they are stopped.
+    finishes: bool = True
+
+    @property
+    def name(self) -> str:
+        return f"{self.type} {self.index}"
+
+
+@dataclasses.dataclass(frozen=True)
+class JobPlan:
+    """The tasks of a local cluster and the TF_CONFIG cluster they share."""
+
+    tasks: tuple[Task, ...]
+    cluster: dict[str, tuple[str, ...]]
+
+    def tf_config(self, task: Task) -> str:
+        return tf_config_json(self.cluster, task.type, task.index)
+
+
+def check_cluster_strategy(strategy: str) -> None:
+    """Raises ClusterError unless ``strategy`` runs on a cluster."""
+    if strategy not in JOBS:
+        raise ClusterError(
+            f"launch_local.py starts clusters for --strategy {' or '.join(CLUSTER_STRATEGIES)}; "
+            f"--strategy {strategy} runs in one process: use scripts/train.py")
+
+
+def plan_job(strategy: str, *, workers: int, ps: int = 0,
+             ports: Sequence[int] | None = None) -> JobPlan:
+    """The tasks and loopback addresses of a local ``strategy`` cluster.
+
+    ``multi_worker``: ``workers`` worker tasks, worker 0 the chief. ``parameter_server``:
+    a chief (the coordinator), ``workers`` workers and ``ps`` ps tasks. ``ports`` are used
+    in task order (chief, workers, ps) and checked; by default free ones are picked.
+
+    Raises:
+      ClusterError: a strategy without a cluster, bad counts, or ports that are taken or
+        are not one per task.
+    """
+    check_cluster_strategy(strategy)
+    if workers < 1:
+        raise ClusterError(f"--workers must be >= 1, got {workers}")
+    if strategy == "multi_worker":
+        if ps:
+            raise ClusterError(f"--ps {ps}: multi_worker has no parameter servers (the workers "
+                               "all-reduce their gradients); drop --ps or use "
+                               "--strategy parameter_server")
+        tasks = tuple(Task("worker", i) for i in range(workers))
+    else:
+        if ps < 1:
+            raise ClusterError(f"--strategy parameter_server needs --ps >= 1 (tasks that hold "
+                               f"the variables), got {ps}")
+        tasks = ((Task("chief", 0),)
+                 + tuple(Task("worker", i, finishes=False) for i in range(workers))
+                 + tuple(Task("ps", i, finishes=False) for i in range(ps)))
+    if ports:
+        if len(ports) != len(tasks):
+            raise ClusterError(f"--ports lists {len(ports)} port(s) but the job has {len(tasks)} "
+                               f"tasks ({', '.join(t.name for t in tasks)}); give one per task")
+        if len(set(ports)) != len(ports):
+            raise ClusterError(f"--ports lists a port twice: {','.join(map(str, ports))}")
+        for task, port in zip(tasks, ports):
+            check_port_free(f"{LOOPBACK}:{port}", what=task.name)
+    else:
+        ports = free_ports(len(tasks))
+    cluster: dict[str, list[str]] = {}
+    for task, port in zip(tasks, ports):
+        cluster.setdefault(task.type, []).append(f"{LOOPBACK}:{port}")
+    return JobPlan(tasks, {job: tuple(a) for job, a in cluster.items()})
+
+
+@dataclasses.dataclass
+class Outcome:
+    """How one attempt of a job ended."""
+
+    # 0: every finishing task exited 0; otherwise the first failed task's status.
+    status: int
+
+    @property
+    def retryable(self) -> bool:
+        """Status 2 is a usage error (bad flags, TF_CONFIG): a restart would fail the same."""
+        return self.status not in (0, 2)
+
+
+def describe_status(status: int) -> str:
+    if status < 0:
+        try:
+            return f"was killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"was killed by signal {-status}"
+    return f"exited with status {status}"
+
+
+class LocalJob:
+    """Runs every task of a :class:`JobPlan` as a child process, once.
+
+    Each child gets its ``TF_CONFIG``; its output (stdout and stderr together) is streamed
+    line by line to ``out`` with a ``[worker 1] `` prefix. The job ends when every
+    finishing task has exited 0 (servers are then stopped) or when any task fails (or a
+    server exits early): then every other task is stopped (SIGTERM, then SIGKILL after
+    ``grace`` seconds).
+    """
+
+    def __init__(self, plan: JobPlan, command: Callable[[Task], list[str]], *,
+                 out: TextIO | None = None, env: Mapping[str, str] | None = None,
+                 grace: float = 10.0):
+        self.plan, self.command, self.grace = plan, command, grace
+        self.out = out if out is not None else sys.stdout
+        self.env = dict(os.environ if env is None else env)
+        self.processes: dict[Task, subprocess.Popen] = {}
+        self._events: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def emit(self, line: str) -> None:
+        with self._lock:
+            self.out.write(line if line.endswith("\n") else line + "\n")
+            self.out.flush()
+
+    def start(self) -> None:
+        for task in self.plan.tasks:
+            env = dict(self.env, TF_CONFIG=self.plan.tf_config(task), PYTHONUNBUFFERED="1")
+            proc = subprocess.Popen(self.command(task), env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.processes[task] = proc
+            self.emit(f"[launch] started {task.name} (pid {proc.pid}) at "
+                      f"{self.plan.cluster[task.type][task.index]}")
+            thread = threading.Thread(target=self._pump, args=(task, proc), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _pump(self, task: Task, proc: subprocess.Popen) -> None:
+        """Streams one child's output, then reports its exit status."""
+        prefix = f"[{task.name}] "
+        for raw in iter(proc.stdout.readline, b""):
+            self.emit(prefix + raw.decode("utf-8", "replace").rstrip("\r\n"))
+        self._events.put((task, proc.wait()))
+
+    def wait(self) -> Outcome:
+        """Blocks until the job succeeds or a task fails; every task is stopped on return."""
+        pending = {t for t in self.plan.tasks if t.finishes}
+        try:
+            while pending:
+                task, status = self._events.get()
+                if status != 0 or not task.finishes:
+                    what = describe_status(status) if status else "exited before the job finished"
+                    self.emit(f"[launch] {task.name} {what}; stopping the job")
+                    return Outcome(status if status else 1)
+                pending.discard(task)
+            return Outcome(0)
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Stops every task still running: SIGTERM, then SIGKILL after ``grace`` seconds."""
+        running = [p for p in self.processes.values() if p.poll() is None]
+        for proc in running:
+            proc.terminate()
+        for proc in running:
+            try:
+                proc.wait(timeout=self.grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for thread in self._threads:
+            thread.join(timeout=self.grace)
+
+
+def run_job(make_plan: Callable[[], JobPlan], command: Callable[[Task], list[str]], *,
+            restarts: int = 0, out: TextIO | None = None,
+            env: Mapping[str, str] | None = None) -> int:
+    """Runs a local job, restarting all of it up to ``restarts`` times after a failure.
+
+    ``make_plan`` is called for every attempt, so a restart gets fresh free ports (the
+    old ones may still be closing). A task that exits with status 2 (a usage error) ends
+    the job at once: a restart would fail the same way.
+
+    Returns:
+      0 on success, else the failed task's status (1 for a signal or an early server exit).
+    """
+    for attempt in range(restarts + 1):
+        job = LocalJob(make_plan(), command, out=out, env=env)
+        if attempt:
+            job.emit(f"[launch] restarting the whole job (restart {attempt} of {restarts})")
+        try:
+            job.start()
+            outcome = job.wait()
+        except BaseException:
+            job.stop()
+            raise
+        if outcome.status == 0:
+            return 0
+        if not outcome.retryable:
+            break
+    return outcome.status if outcome.status > 0 else 1
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of ``--flag V`` or ``--flag=V`` in ``args`` (the last one wins)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def train_args_for_cluster(args: Sequence[str]) -> tuple[str, list[str]]:
+    """The strategy named in train.py flags, and the flags with a shared ``--model-dir``.
+
+    Every task (and every restart) must use the same model dir: the chief writes it,
+    restarts resume from it. Without ``--model-dir`` each process would pick its own
+    timestamped default, so one is chosen here, once.
+
+    Raises:
+      ClusterError: no --strategy, or one that does not run on a cluster.
+    """
+    strategy = flag_value(args, "--strategy")
+    if strategy is None:
+        raise ClusterError("give train.py's --strategy after --, e.g. -- --strategy multi_worker")
+    check_cluster_strategy(strategy)
+    args = list(args)
+    if flag_value(args, "--model-dir") is None:
+        model_dir = os.path.join("runs", f"{strategy}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+        args += ["--model-dir", model_dir]
+    return strategy, args
+
+
+def train_command(train_script: str, args: Sequence[str]) -> Callable[[Task], list[str]]:
+    """Every task runs ``python train.py <args>``; its role comes from TF_CONFIG."""
+    return lambda task: [sys.executable, train_script, *args]

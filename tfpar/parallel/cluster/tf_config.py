@@ -1,0 +1,225 @@
+"""``TF_CONFIG``: one process's place in a TensorFlow cluster, checked per strategy; ports.
+
+Every process of a TensorFlow cluster gets the same cluster and its own task in the
+``TF_CONFIG`` environment variable (TensorFlow's own format)::
+
+    {"cluster": {"worker": ["10.0.0.1:2222", "10.0.0.2:2222"]},
+     "task": {"type": "worker", "index": 1}}
+
+Roles per strategy:
+
+``multi_worker`` (synchronous, ``MultiWorkerMirroredStrategy``)
+    ``worker`` tasks, optionally one ``chief``; every task trains, in lockstep. The chief
+    is the ``chief`` task or, when there is none, worker 0 (what ``launch_local.py``
+    does). Only the chief writes events, checkpoints, metrics and the export.
+``parameter_server`` (asynchronous, ``ParameterServerStrategy``)
+    one ``chief`` (the coordinator: runs the loop, schedules steps, evaluates and writes
+    everything), ``worker`` tasks (compute steps) and ``ps`` tasks (hold the variables).
+    Workers and ps tasks only serve until they are stopped.
+
+:func:`require_cluster` reads and checks ``TF_CONFIG`` for a strategy; every problem is
+a one-line :class:`~tfpar.errors.ClusterError`. :func:`check_port_free` and
+:func:`free_ports` check and pick ports. Standard library only (no TensorFlow): the CLI
+imports this module before TensorFlow starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import socket
+from typing import Mapping, Sequence
+
+from tfpar.errors import ClusterError
+
+LOOPBACK = "127.0.0.1"
+# Jobs each cluster strategy needs and accepts, in the order tasks are listed.
+JOBS = {
+    "multi_worker": {"required": ("worker",), "allowed": ("chief", "worker")},
+    "parameter_server": {"required": ("chief", "worker", "ps"),
+                         "allowed": ("chief", "worker", "ps")},
+}
+CLUSTER_STRATEGIES = tuple(JOBS)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """One process's view of the cluster, as ``TF_CONFIG`` gives it."""
+
+    # job name -> "host:port" of each task, e.g. {"worker": ("127.0.0.1:2222", ...)}.
+    cluster: dict[str, tuple[str, ...]]
+    # This process's job ("chief", "worker" or "ps") and index in it.
+    task_type: str
+    task_index: int
+
+    @property
+    def address(self) -> str:
+        """This task's "host:port"."""
+        return self.cluster[self.task_type][self.task_index]
+
+    def count(self, job: str) -> int:
+        return len(self.cluster.get(job, ()))
+
+    @property
+    def is_chief(self) -> bool:
+        """The ``chief`` task, or worker 0 when the cluster has no chief."""
+        if "chief" in self.cluster:
+            return self.task_type == "chief"
+        return self.task_type == "worker" and self.task_index == 0
+
+    @property
+    def task_name(self) -> str:
+        return f"{self.task_type} {self.task_index}"
+
+    def to_json(self) -> str:
+        return tf_config_json(self.cluster, self.task_type, self.task_index)
+
+
+def tf_config_json(cluster: Mapping[str, Sequence[str]], task_type: str, task_index: int) -> str:
+    """The ``TF_CONFIG`` value of one task."""
+    return json.dumps({"cluster": {job: list(addresses) for job, addresses in cluster.items()},
+                       "task": {"type": task_type, "index": task_index}})
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """"host:port" → (host, port).
+
+    Raises:
+      ClusterError: not host:port with a port in 1..65535.
+    """
+    host, sep, port_text = str(address).rpartition(":")
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ClusterError(f"TF_CONFIG address {address!r} is not host:port with a port in "
+                           "1..65535, e.g. 127.0.0.1:2222")
+    return host, int(port_text)
+
+
+def parse_tf_config(text: str) -> ClusterConfig:
+    """Parses and checks one ``TF_CONFIG`` value (any strategy).
+
+    Raises:
+      ClusterError: not JSON, no ``cluster`` or ``task``, a job that is not a list of
+        host:port addresses, a task whose type is not in the cluster, or a task index out
+        of range.
+    """
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ClusterError(f"TF_CONFIG is not valid JSON ({e.msg} at character {e.pos}); "
+                           'expected {"cluster": {...}, "task": {"type": ..., "index": ...}}'
+                           ) from None
+    if not isinstance(data, dict):
+        raise ClusterError(f"TF_CONFIG must be a JSON object with cluster and task, got "
+                           f"{type(data).__name__}")
+    cluster = data.get("cluster")
+    if not isinstance(cluster, dict) or not cluster:
+        raise ClusterError('TF_CONFIG has no "cluster": give every job\'s addresses, e.g. '
+                           '"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}')
+    jobs: dict[str, tuple[str, ...]] = {}
+    for job, addresses in cluster.items():
+        if not isinstance(addresses, list) or not addresses:
+            raise ClusterError(f"TF_CONFIG cluster job {job!r} must be a non-empty list of "
+                               f"host:port addresses, got {addresses!r}")
+        for address in addresses:
+            split_address(address)
+        jobs[job] = tuple(addresses)
+    task = data.get("task")
+    if not isinstance(task, dict) or "type" not in task or "index" not in task:
+        raise ClusterError('TF_CONFIG has no "task" with a type and an index; e.g. '
+                           '"task": {"type": "worker", "index": 0}')
+    task_type, index = task["type"], task["index"]
+    if task_type not in jobs:
+        raise ClusterError(f"TF_CONFIG task type {task_type!r} is not a job of the cluster "
+                           f"({', '.join(jobs)})")
+    count = len(jobs[task_type])
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count:
+        raise ClusterError(f"TF_CONFIG task index {index!r} is out of range: job {task_type!r} "
+                           f"has {count} task(s), so 0..{count - 1}")
+    return ClusterConfig(jobs, task_type, index)
+
+
+def check_jobs(config: ClusterConfig, strategy: str) -> None:
+    """Checks that the cluster has the jobs ``strategy`` needs (see the module docstring).
+
+    Raises:
+      ClusterError: a missing job (e.g. no chief for parameter_server), an extra job, more
+        than one chief, or this task in a job the strategy does not use.
+    """
+    jobs = JOBS[strategy]
+    have = ", ".join(config.cluster)
+    for job in jobs["required"]:
+        if job not in config.cluster:
+            what = {"chief": "a 'chief' task (the coordinator)",
+                    "worker": "one or more 'worker' tasks (they compute the steps)",
+                    "ps": "one or more 'ps' tasks (they hold the variables)"}[job]
+            raise ClusterError(f"--strategy {strategy} needs {what}, but TF_CONFIG's cluster has "
+                               f"only: {have}")
+    for job in config.cluster:
+        if job not in jobs["allowed"]:
+            raise ClusterError(f"--strategy {strategy} has no {job!r} tasks, but TF_CONFIG's "
+                               f"cluster lists some; use only: {', '.join(jobs['allowed'])}")
+    if config.count("chief") > 1:
+        raise ClusterError(f"TF_CONFIG lists {config.count('chief')} chief tasks; a cluster has "
+                           "at most one chief")
+
+
+def require_cluster(strategy: str, environ: Mapping[str, str] | None = None) -> ClusterConfig:
+    """The checked ``TF_CONFIG`` of this process for a cluster strategy.
+
+    Raises:
+      ClusterError: ``TF_CONFIG`` is unset or wrong for ``strategy``.
+    """
+    text = (os.environ if environ is None else environ).get("TF_CONFIG", "").strip()
+    if not text:
+        raise ClusterError(
+            f"--strategy {strategy} needs a cluster, but TF_CONFIG is not set; start one on "
+            f"this machine with scripts/launch_local.py --workers 2 -- --strategy {strategy} "
+            "..., or set TF_CONFIG in every process of your cluster")
+    config = parse_tf_config(text)
+    check_jobs(config, strategy)
+    return config
+
+
+def check_port_free(address: str, *, what: str = "this task's address") -> None:
+    """Fails early, with a clear message, when ``address``'s port is taken on this host.
+
+    TensorFlow's gRPC server binds with SO_REUSEPORT, so a second server on a port in use
+    may start silently and receive half of the traffic; a plain bind (SO_REUSEADDR only,
+    so a port in TIME_WAIT still counts as free) finds every listener.
+
+    Raises:
+      ClusterError: something is listening on (or bound to) the port.
+    """
+    host, port = split_address(address)
+    bind_host = LOOPBACK if host in (LOOPBACK, "localhost") else ""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((bind_host, port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise ClusterError(f"cannot bind port {port} of {what} {address}: "
+                                   f"{e.strerror}") from None
+            raise ClusterError(f"port {port} of {what} {address} is already in use; stop the "
+                               "process holding it or give this task another port") from None
+
+
+def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
+    """``count`` distinct ports that are free on ``host`` right now.
+
+    The OS picks them (bind to port 0); all sockets stay open until every port is chosen
+    so none is picked twice. Another program could take one before our tasks bind it: a
+    window of milliseconds that a task's own :func:`check_port_free` reports clearly.
+    """
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(s)
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()

@@ -1,0 +1,33 @@
+"""Throughput benchmark: tfpar against plain Keras, input stalls, padding, distribution cost.
+
+``scripts/benchmark.py`` (or ``python -m tfpar.tools.bench``) measures, in one process
+and on one corpus (PTB when it is there, else the generated corpus):
+
+* training tokens/s of tfpar's real training step (plug-in, model, optimizer,
+  ``plugin.make_train_step`` on ``InputData.batches``) against a plain-Keras baseline: the
+  same architecture as a ``keras.Sequential`` trained with ``model.fit`` on fixed windows;
+* the input pipeline's share of the step time: the same step fed from tf.data and from
+  batches already in memory;
+* the share of pad tokens in sentence mode: tfpar's bucketing against a plain
+  ``padded_batch`` of the same shuffled sentences;
+* the cost of distribution: mirrored with one replica against no strategy, and mirrored,
+  tower and pipeline on two logical devices.
+
+The host is shared and its load varies, so every contender is timed in short segments
+and the segments are interleaved round-robin (the order rotates every round); each
+figure is the median over rounds, and ratios compare segments that ran side by side.
+
+A contender that crashes (while it is built, warmed up or timed) does not go unnoticed:
+the run still measures the others and prints its report, then names the contender on
+stderr (``error: contender <name> failed: <reason>``) and exits 1.
+
+Modules, one job each (each imports only the ones above it)::
+
+    spec         BenchSpec, quick_spec/tiny_spec, the targets and check_targets
+    workload     the corpus, vocabulary and input data; the model configuration
+    contenders   Segment, Contender, the tfpar and Keras contenders and their builders
+    remote       the child process hosting the two-device contenders (--serve)
+    measure      interleaved rounds, paired steps and segments, padding; run()
+    report       the printed report, the JSON file, the PNG chart
+    cli          the flags and main() (scripts/benchmark.py, python -m tfpar.tools.bench)
+"""

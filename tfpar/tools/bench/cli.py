@@ -1,0 +1,93 @@
+"""The benchmark's command line: ``scripts/benchmark.py`` and ``python -m tfpar.tools.bench``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Sequence
+
+from tfpar.tools.bench.spec import DEFAULT_PTB, BenchSpec, quick_spec, tiny_spec
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="benchmark.py",
+        description="Training throughput of tfpar against plain Keras, the input pipeline's "
+                    "share, padding, and the cost of distribution, measured side by side.")
+    p.add_argument("--data", default=DEFAULT_PTB,
+                   help="PTB folder, or 'synthetic' (default: %(default)s; falls back to the "
+                        "generated corpus when it is missing)")
+    p.add_argument("--quick", action="store_true", help="fewer rounds (a few minutes)")
+    p.add_argument("--tiny", action="store_true",
+                   help="a generated corpus and a toy model: seconds (for tests)")
+    p.add_argument("--rounds", type=int, default=0, help="interleaved rounds (0: by mode)")
+    p.add_argument("--steps", type=int, default=0, help="timed steps per segment (0: by mode)")
+    p.add_argument("--precision", default="fp32", help="fp32 | bf16 for the tfpar contenders")
+    p.add_argument("--optimizer", default="sgd",
+                   help="sgd | adam, for every contender (default: %(default)s, as in "
+                        "ptb_word_lm.py's small configuration)")
+    p.add_argument("--json", default="", help="write the results to this JSON file")
+    p.add_argument("--plot", default="", help="write a PNG chart here (needs matplotlib)")
+    p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
+    p.add_argument("-v", "--verbose", action="store_true", help="TensorFlow's own logs too")
+    p.add_argument("--serve", default="", help=argparse.SUPPRESS)  # child process (internal)
+    return p
+
+
+def spec_from_args(a: argparse.Namespace) -> BenchSpec:
+    overrides: dict[str, Any] = {"precision": a.precision, "optimizer": a.optimizer}
+    if a.rounds:
+        overrides["rounds"] = a.rounds
+    if a.steps:
+        overrides["steps"] = a.steps
+    if a.tiny:
+        return tiny_spec(**overrides)
+    overrides["data"] = a.data
+    return quick_spec(**overrides) if a.quick else BenchSpec(**overrides)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``scripts/benchmark.py``: exit 0; 1 when a contender failed (``error: contender
+    <name> failed: ...`` on stderr, one line each) or, under ``--check``, a target is
+    missed; 2 on a usage error."""
+    from tfpar.tools.cli import run_main, setup_logging
+
+    args = parser().parse_args(argv)
+    setup_logging(args.verbose)
+    if args.serve:
+        from tfpar.tools.bench.remote import serve
+
+        return serve(args.serve)
+
+    def body():
+        spec = spec_from_args(args)
+        from tfpar.parallel import devices
+        from tfpar.tools.bench.contenders import ContenderFailed
+        from tfpar.tools.bench.measure import run
+        from tfpar.tools.bench.report import (failed_contenders, format_report, write_json,
+                                              write_plot)
+
+        devices.configure_cpu_devices(1)  # the 2-device contenders run in a child process
+        try:
+            results = run(spec)
+        except ContenderFailed as e:  # nothing to report: the run stopped there
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(format_report(results))
+        if args.json:
+            write_json(args.json, results)
+        if args.plot:
+            write_plot(args.plot, results)
+        failed = failed_contenders(results)
+        for name, why in failed.items():
+            print(f"error: {ContenderFailed(name, why)}", file=sys.stderr)
+        if failed:
+            return 1
+        missed = [n for n, t in results["targets"].items() if not t["pass"]]
+        return 1 if args.check and missed else 0
+
+    return run_main(body)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

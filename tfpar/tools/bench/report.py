@@ -1,0 +1,124 @@
+"""The results, shown: the printed report, the JSON file and the PNG chart."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from tfpar.errors import ConfigError
+
+
+def failed_contenders(results: dict[str, Any]) -> dict[str, str]:
+    """name -> why, for every contender the run recorded as failed (``"failed: ..."`` in
+    ``distribution_tokens_per_sec``); a strategy that is not registered is not a failure."""
+    return {name: value.removeprefix("failed: ")
+            for name, value in results.get("distribution_tokens_per_sec", {}).items()
+            if isinstance(value, str) and value.startswith("failed:")}
+
+
+def format_report(results: dict[str, Any]) -> str:
+    """The human-readable summary the script prints."""
+    def num(v, fmt="{:,.0f}"):
+        return fmt.format(v) if isinstance(v, (int, float)) else str(v)
+
+    spec = results["spec"]
+    lines = [
+        f"corpus {results['corpus']} (vocab {results['vocab_size']}), {spec['layers']}-layer LSTM "
+        f"{spec['embed_dim']}/{spec['hidden_dim']}, batch {spec['batch_size']}, bptt "
+        f"{spec['bptt']}, stream mode, {spec['precision']}, {spec['optimizer']}; "
+        f"{spec['rounds']} rounds x "
+        f"{spec['steps']} steps",
+    ]
+    if results["corpus_note"]:
+        lines.append(f"note: {results['corpus_note']}")
+    cpu = results["tokens_per_cpu_sec"]
+    lines.append(f"{'contender':<22}{'tokens/s':>12}{'vs default':>12}{'tokens/cpu-s':>14}")
+    keras_side = results["side_by_side_tokens_per_sec"].get("keras_baseline")
+    lines.append(f"{'keras_baseline':<22}{num(keras_side):>12}"
+                 f"{'':>12}{num(cpu.get('keras_baseline')):>14}")
+    for name, value in results["distribution_tokens_per_sec"].items():
+        rel = results["distribution_vs_default"][name]
+        rel = num(rel, "{:.3f}") if isinstance(rel, float) else ""
+        lines.append(f"{name:<22}{num(value):>12}{rel:>12}{num(cpu.get(name, '')):>14}")
+    for name in ("mirrored", "default"):
+        if f"tfpar_{name}_tokens_per_sec" not in results:
+            continue
+        lines.append(
+            f"{'headline' if name == results['tfpar_strategy'] else 'also'}: tfpar {name} "
+            f"{num(results[f'tfpar_{name}_tokens_per_sec'])} tokens/s = "
+            f"{results[f'tfpar_{name}_vs_keras_baseline']:.3f} x Keras (per round: "
+            + ", ".join(f"{x:.2f}" for x in results[f"tfpar_{name}_vs_keras_baseline_per_round"])
+            + ")")
+    lines.append(f"Keras baseline {num(results['keras_baseline_tokens_per_sec'])} tokens/s; "
+                 f"headline ratio in tokens per CPU-second: "
+                 f"{num(results['tfpar_vs_keras_baseline_cpu'], '{:.3f}')}")
+    lines.append(f"input stall: {results['input_stall_fraction']:.4f} of a step waiting for "
+                 f"tf.data (whole-step A/B against batches in memory: "
+                 f"{results['input_stall_fraction_ab']:.4f})")
+    lines.append(f"pad fraction: bucketed {results['pad_fraction_bucketed']:.4f}, plain padded_batch "
+                 f"{results['pad_fraction_naive']:.4f} ({results['bucket_count']} buckets)")
+    la = (results["load_average_before"], results["load_average_after"])
+    lines.append(f"load average {la[0]:.2f} -> {la[1]:.2f}"
+                 + ("  (busy host: timings are noisy)" if max(la) > 1.5 else ""))
+    for name, t in results["targets"].items():
+        lines.append(f"{'PASS' if t['pass'] else 'FAIL'} {name} = "
+                     f"{num(t['value'], '{:.4f}')} (target {t['target']})")
+    return "\n".join(lines)
+
+
+def write_json(path: str, results: dict[str, Any]) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2, sort_keys=True)
+
+
+def write_plot(path: str, results: dict[str, Any]) -> None:
+    """Bar charts of tokens/s and of the stall and pad shares, as a PNG.
+
+    Raises:
+      ConfigError: matplotlib is not installed (it is the optional ``bench`` extra).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError(
+            "--plot needs matplotlib, which is not installed; install the extra with "
+            "pip install -e '.[bench]' or leave out --plot") from None
+    keras_rate = results["side_by_side_tokens_per_sec"]["keras_baseline"]
+    names = ["keras_baseline"] + list(results["distribution_tokens_per_sec"])
+    values = [keras_rate] + [
+        v if isinstance(v, float) else 0.0 for v in results["distribution_tokens_per_sec"].values()]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    bars = a.bar(names, values, color=["grey"] + ["tab:blue"] * (len(names) - 1))
+    for bar, v, name in zip(bars, values, names):
+        label = f"{v:,.0f}" if v else "n/a"
+        a.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), label, ha="center",
+               va="bottom", fontsize=8)
+    a.axhline(1.4 * keras_rate, color="tab:red", ls="--", lw=1,
+              label="1.4 x Keras baseline (target)")
+    a.set_ylabel("training tokens/s")
+    a.set_title(f"{results['corpus']}: {results['spec']['layers']}x{results['spec']['hidden_dim']} "
+                f"LSTM, batch {results['spec']['batch_size']}, bptt {results['spec']['bptt']}; "
+                f"side by side (headline pairs: {results['tfpar_vs_keras_baseline']:.2f} x Keras)",
+                fontsize=9)
+    a.tick_params(axis="x", labelrotation=20, labelsize=8)
+    a.legend(fontsize=8)
+    shares = {"input stall": results["input_stall_fraction"] or 0.0,
+              "pad (bucketed)": results["pad_fraction_bucketed"],
+              "pad (padded_batch)": results["pad_fraction_naive"]}
+    b.bar(list(shares), list(shares.values()), color=["tab:green", "tab:blue", "grey"])
+    for i, v in enumerate(shares.values()):
+        b.text(i, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
+    b.set_ylim(0, max(0.1, max(shares.values()) * 1.15))
+    b.set_ylabel("share of step time / of tokens")
+    b.tick_params(axis="x", labelrotation=20, labelsize=8)
+    fig.tight_layout()
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,91 @@
+"""What the benchmark measures and for how long, and the targets it checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any
+
+from tfpar.errors import ConfigError
+
+# tfpar/tools/bench/spec.py -> the repository root, four levels up.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+DEFAULT_PTB = os.path.join(os.path.dirname(REPO), "shared", "data", "ptb")
+
+# name -> (comparison, threshold); checked by check_targets.
+TARGETS: dict[str, tuple[str, float]] = {
+    "tfpar_vs_keras_baseline": (">=", 1.4),
+    "input_stall_fraction": ("<=", 0.02),
+    "pad_fraction_bucketed": ("<=", 0.03),
+    "mirrored1_vs_default": (">=", 0.95),
+}
+NOT_AVAILABLE = "not available"
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchSpec:
+    """What to measure and for how long."""
+
+    # Corpus folder (PTB's ptb.{train,valid,test}.txt) or "synthetic".
+    data: str = DEFAULT_PTB
+    # The small configuration of TensorFlow's ptb_word_lm.py.
+    layers: int = 2
+    embed_dim: int = 200
+    hidden_dim: int = 200
+    vocab_size: int = 10000
+    batch_size: int = 20  # global: stream columns
+    bptt: int = 35
+    # "fp32" or "bf16" (tfpar contenders only; the Keras baseline stays fp32).
+    precision: str = "fp32"
+    # Optimizer of every contender, tfpar and Keras alike: "sgd" (as in ptb_word_lm.py's
+    # small configuration) or "adam" (tfpar's default).
+    optimizer: str = "sgd"
+    # Interleaved rounds; in each, every contender trains `steps` timed steps.
+    rounds: int = 5
+    steps: int = 40
+    # Untimed steps per contender before the first round: tracing (stream mode traces
+    # twice: the first window starts from no state, the second from a carried one).
+    warmup: int = 3
+    # Generated corpus size when `data` is "synthetic" (train sentences).
+    synthetic_sentences: int = 20000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "embed_dim", "hidden_dim", "batch_size", "bptt", "rounds",
+                     "steps", "synthetic_sentences"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got "
+                                  f"{getattr(self, name)}")
+        if self.warmup < 2:
+            raise ConfigError(f"warmup must be >= 2 (the first two steps trace), got {self.warmup}")
+        if self.precision not in ("fp32", "bf16"):
+            raise ConfigError(f"unknown precision {self.precision!r}; expected fp32 or bf16")
+        if self.optimizer not in ("sgd", "adam"):
+            raise ConfigError(f"unknown optimizer {self.optimizer!r}; expected sgd or adam")
+
+
+def quick_spec(**overrides) -> BenchSpec:
+    """``--quick``: enough rounds for stable medians, a few minutes on 2 cores."""
+    return BenchSpec(**{"rounds": 3, "steps": 20, **overrides})
+
+
+def tiny_spec(**overrides) -> BenchSpec:
+    """``--tiny``: a generated corpus and a toy model; runs in seconds (for tests)."""
+    return BenchSpec(**{
+        "data": "synthetic", "layers": 1, "embed_dim": 16, "hidden_dim": 16,
+        "vocab_size": 0, "batch_size": 8, "bptt": 10, "rounds": 1, "steps": 3, "warmup": 2,
+        "synthetic_sentences": 300, **overrides})
+
+
+def check_targets(results: dict[str, Any]) -> list[tuple[str, Any, str, float, bool]]:
+    """``(name, value, comparison, threshold, passed)`` for every target in TARGETS;
+    a missing value fails."""
+    rows = []
+    for name, (op, threshold) in TARGETS.items():
+        value = results.get(name)
+        ok = isinstance(value, (int, float)) and math.isfinite(value) and (
+            value >= threshold if op == ">=" else value <= threshold)
+        rows.append((name, value, op, threshold, ok))
+    return rows

@@ -1,0 +1,66 @@
+"""What every contender trains on: the corpus, its vocabulary and input data, the model."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+from tfpar.tools.bench.spec import BenchSpec
+
+log = logging.getLogger("tfpar.tools.bench")
+
+
+@dataclasses.dataclass
+class Setup:
+    spec: BenchSpec
+    corpus_name: str
+    corpus_note: str
+    splits: dict
+    vocab: Any
+    stream_data: Any  # InputData in stream mode
+    sentence_data: Any  # InputData in sentence mode
+
+
+def load_setup(spec: BenchSpec) -> Setup:
+    """Reads (or generates) the corpus and builds the vocabulary and the input data."""
+    from tfpar.config import DataConfig
+    from tfpar.data.sources import load_corpus
+    from tfpar.data.pipeline import InputData
+    from tfpar.data.vocab import Vocab
+
+    note = ""
+    source = spec.data
+    if source != "synthetic" and not os.path.isdir(source):
+        note = f"PTB not found at {source}: using the generated (synthetic) corpus instead"
+        log.warning("%s", note)
+        source = "synthetic"
+    data_config = DataConfig(source=source, mode="stream", bptt=spec.bptt,
+                             synthetic_train=spec.synthetic_sentences,
+                             synthetic_valid=max(1, spec.synthetic_sentences // 10),
+                             synthetic_test=max(1, spec.synthetic_sentences // 10))
+    corpus = load_corpus(data_config, seed=spec.seed)
+    vocab = Vocab.build(corpus.splits["train"], max_size=spec.vocab_size)
+    stream = InputData(corpus.splits, vocab, data_config, seed=spec.seed)
+    sentence = InputData(corpus.splits, vocab, dataclasses.replace(data_config, mode="sentence"),
+                         seed=spec.seed)
+    return Setup(spec, corpus.name, note, corpus.splits, vocab, stream, sentence)
+
+
+def model_config(spec: BenchSpec):
+    from tfpar.config import ModelConfig
+
+    return ModelConfig(layers=spec.layers, embed_dim=spec.embed_dim, hidden_dim=spec.hidden_dim,
+                       precision=spec.precision)
+
+
+def fixed_windows(stream: np.ndarray, bptt: int) -> tuple[np.ndarray, np.ndarray]:
+    """A token stream cut into non-overlapping windows, the way the Keras guides feed
+    ``model.fit``: inputs [N, bptt] and the next tokens as targets [N, bptt]."""
+    n = (len(stream) - 1) // bptt
+    x = stream[: n * bptt].reshape(n, bptt)
+    y = stream[1: n * bptt + 1].reshape(n, bptt)
+    return x, y
