@@ -267,10 +267,22 @@ def test_traced_step_places_every_stage_op_on_its_device_gradients_included():
         for body in bodies:
             assert {o.device for o in placed(body.get_operations())} <= {"", device}
     # The optimizer's updates request no device: TF runs an op on a resource where the
-    # resource lives, so each weight is updated on its stage's device.
+    # resource lives, so each weight is updated on its stage's device. They sit in the
+    # finite guard's branch (tfpar.objective.step.update), whose inputs are the guard's.
     handles = {internal.name: external for external, internal in graph.captures}
-    updates = [op for op in ops if op.type in UPDATES]
-    updated = {handles[op.inputs[0].name].device for op in updates if op.device == ""}
+    guards = [op for op in ops if op.type == "If" and op.name.split("/")[0] == "cond"]
+    updates, updated = [], set()
+    for guard in guards:
+        branch = guard.get_attr("then_branch").name
+        body = graph._get_function(branch).graph
+        for op in body.get_operations():
+            if op.type in UPDATES:
+                updates.append(op)
+                names = [t.name for t in body.inputs]
+                outer = guard.inputs[1 + names.index(op.inputs[0].name)]
+                if op.device == "" and outer.name in handles:
+                    updated.add(handles[outer.name].device)
+    assert len(guards) == 1
     assert len(updates) >= len(model.trainable_variables)
     assert {op.device for op in updates} == {""}
     assert {d.split("device:")[1] for d in updated} >= {d.split("device:")[1] for d in CPU[:3]}

@@ -166,9 +166,11 @@ class Loop:
         batches = self.plugin.distribute(lambda ctx: self.train_batches(epoch, skip, ctx))
         if self.bar is not None:
             self.bar.start_epoch(None)
+        stream = self.config.data.mode == "stream"
+        train_step = restart_state_after_non_finite(self.train_step) if stream else \
+            self.train_step
         start = time.perf_counter()
-        for out in run_steps(self.train_step, batches,
-                             stream=self.config.data.mode == "stream"):
+        for out in run_steps(train_step, batches, stream=stream):
             now = time.perf_counter()
             self.record([out], now - start)
             start = now
@@ -234,6 +236,27 @@ class Loop:
         log.warning("%s: skipped (--on-nan skip)", what)
 
 
+def is_finite(out) -> bool:
+    """Whether a step's loss and gradient norm are both finite (what :meth:`Loop.record`
+    accepts)."""
+    return math.isfinite(float(out.nll_sum)) and math.isfinite(float(out.grad_norm))
+
+
+def restart_state_after_non_finite(train_step):
+    """Stream mode: the window after a non-finite one starts from a zero state.
+
+    A window whose loss or gradient is not finite usually ends in a NaN/inf recurrent
+    state too; carried on, it would make every later window of the epoch non-finite (all
+    skipped under --on-nan skip). The next window starts afresh instead, as an epoch does.
+    """
+
+    def step(batch, state=None):
+        out = train_step(batch, state)
+        return out if is_finite(out) else dataclasses.replace(out, state=None)
+
+    return step
+
+
 class AsyncLoop(Loop):
     """Parameter-server training: schedules an epoch's steps without waiting for any, and
     reads their results only at sync points - every --checkpoint-every steps and at the
@@ -242,17 +265,20 @@ class AsyncLoop(Loop):
 
     def train_epoch(self, epoch: int, skip: int) -> None:
         cfg, coordinator = self.config, self.plugin
-        todo = count_batches(self.train_batches(epoch, 0)) - skip
-        if cfg.train.max_steps:
-            todo = min(todo, cfg.train.max_steps - self.step)
+        todo = count_batches(self.train_batches(epoch, 0)) - skip  # batches left
+        max_steps = cfg.train.max_steps
         iterators = coordinator.distribute_to_workers(
             lambda ctx: self.train_batches(epoch, skip, ctx))
         if self.bar is not None:
-            self.bar.start_epoch(todo)
+            self.bar.start_epoch(min(todo, max_steps - self.step) if max_steps else todo)
         every = cfg.run.checkpoint_every or todo
-        while todo > 0:
+        while todo > 0 and not self.done():
             start = time.perf_counter()
             scheduled = min(todo, every - self.step % every)  # sync on checkpoint steps
+            if max_steps:
+                # At most the updates still missing; a skipped (non-finite) step is not
+                # one, so after a sync point with skips the epoch goes on, as in Loop.
+                scheduled = min(scheduled, max_steps - self.step)
             futures = [self.train_step(iterators) for _ in range(scheduled)]
             coordinator.join()
             self.record([coordinator.fetch(f) for f in futures], time.perf_counter() - start)
