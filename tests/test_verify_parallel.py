@@ -7,9 +7,11 @@ import types
 import numpy as np
 import pytest
 
+import tfpar.parallel
 from tfpar.tools import verify
 from tfpar.errors import ConfigError
-from tfpar.tools.verify import RunResult, Runner, VerifySpec, compare, parse_strategies
+from tfpar.parallel.parallel_do import ParallelDo
+from tfpar.tools.verify import Row, RunResult, Runner, VerifySpec, compare, parse_strategies
 
 SMALL = ["--steps", "2", "--hidden-dim", "8", "--embed-dim", "8"]
 
@@ -54,8 +56,12 @@ def test_usage_errors_exit_2_with_one_line(argv, message, capsys):
     assert len(err) == 1 and err[0].startswith(message)
 
 
-def result(weights, nll=10.0, count=5.0, norms=(1.0, 1.0)):
-    return RunResult([np.array(w, np.float32) for w in weights], nll, count, list(norms))
+SLOTS = ([2.0], [0.1], [0.25, -0.5])  # step count, learning rate, a momentum slot
+
+
+def result(weights, nll=10.0, count=5.0, norms=(1.0, 0.25), slots=SLOTS):
+    return RunResult([np.array(w, np.float32) for w in weights], nll, count, list(norms),
+                     slots=[np.array(v, np.float32) for v in slots])
 
 
 def test_compare_applies_both_tolerances():
@@ -63,7 +69,8 @@ def test_compare_applies_both_tolerances():
     setup = types.SimpleNamespace(clip_norm=0.5)
     ref = result([[1.0, 2.0]])
     same = compare(spec, setup, "tower", 2, result([[1.0, 2.0]]), ref)
-    assert same.failures == [] and same.max_abs_param_diff == 0.0 and same.clipped_steps == 2
+    assert same.failures == [] and same.max_abs_param_diff == 0.0
+    assert (same.clipped_steps, same.steps) == (1, 2)  # Norm 1.0 > 0.5 is; 0.25 is not.
 
     near = compare(spec, setup, "tower", 2, result([[1.0, 2.000002]]), ref)
     assert near.failures == [] and 0 < near.max_abs_param_diff <= 1e-5
@@ -79,25 +86,98 @@ def test_compare_applies_both_tolerances():
     assert nan.failures
 
 
+@pytest.mark.parametrize("factor", [1.01, 0.99, 2.0])
+def test_compare_fails_weights_or_slots_off_by_a_constant_factor(factor):
+    """What a gradient off by a constant factor leaves behind on an unclipped step: the
+    weights, or (Adam, momentum) only the optimizer's slots, scaled. Either fails."""
+    spec = VerifySpec(steps=2)
+    setup = types.SimpleNamespace(clip_norm=0.5)
+    weights = [[0.5, -1.5], [2.0]]
+    ref = result(weights)
+    off = compare(spec, setup, "strategy", 2,
+                  result([np.array(w) * factor for w in weights]), ref)
+    assert off.failures and "max |dtheta|" in off.failures[0]
+    assert off.max_abs_param_diff == pytest.approx(2.0 * abs(factor - 1), rel=1e-5)
+    slots_off = compare(spec, setup, "strategy", 2, result(
+        weights, slots=SLOTS[:2] + (np.array(SLOTS[2]) * factor,)), ref)
+    assert slots_off.failures and "max |dtheta|" in slots_off.failures[0]
+    assert slots_off.max_abs_param_diff == pytest.approx(0.5 * abs(factor - 1), rel=1e-5)
+
+
+def test_compare_fails_missing_or_different_optimizer_variables():
+    spec = VerifySpec(steps=2)
+    setup = types.SimpleNamespace(clip_norm=0.5)
+    ref = result([[1.0, 2.0]])
+    no_slots = compare(spec, setup, "strategy", 2, result([[1.0, 2.0]], slots=()), ref)
+    assert "0 optimizer variables, default 3" in "; ".join(no_slots.failures)
+    one_more_step = compare(spec, setup, "strategy", 2,
+                            result([[1.0, 2.0]], slots=([3.0],) + SLOTS[1:]), ref)
+    assert one_more_step.failures and one_more_step.max_abs_param_diff == 1.0
+    short = compare(spec, setup, "strategy", 2, result([[1.0, 2.0]], norms=(1.0,)), ref)
+    assert "trained 1 steps, not 2" in "; ".join(short.failures)
+
+
+def table_rows(out):
+    """The report's table: {(strategy, replicas): (clipped, steps, status)}."""
+    rows = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 7 and parts[1].isdigit() and "/" in parts[4]:
+            clipped, steps = map(int, parts[4].split("/"))
+            rows[parts[0], int(parts[1])] = (clipped, steps, parts[6])
+    return rows
+
+
 def test_verify_passes_and_writes_json(tmp_path, capsys):
     path = tmp_path / "out" / "rows.json"
-    argv = ["--strategies", "default,mirrored:2,tower:3", "--json", str(path)] + SMALL
+    argv = ["--strategies", "mirrored:2,tower:3,parallel_do:3", "--json", str(path)] + SMALL
     assert load_script().main(argv) == 0
     out = capsys.readouterr().out
     assert "all 3 strategies match default" in out
-    assert "(auto: half the first batch's gradient norm)" in out
-    assert out.count(" 2/2 ") == 3  # Clipping fired on both steps of every strategy.
+    assert "(auto: the median gradient norm of the first --steps batches)" in out
+    table = table_rows(out)
+    assert list(table) == [("mirrored", 2), ("tower", 3), ("parallel_do", 3)]
+    # The auto clip norm clips some steps and not others, in every row.
+    assert all(0 < clipped < steps == 2 and status == "ok"
+               for clipped, steps, status in table.values()), table
+    assert "clipping never fired" not in out
     rows = json.loads(path.read_text())
-    assert [(r["strategy"], r["replicas"]) for r in rows] == [
-        ("default", 1), ("mirrored", 2), ("tower", 3)]
+    assert [(r["strategy"], r["replicas"]) for r in rows] == list(table)
     assert all(set(r) == {"strategy", "replicas", "max_abs_param_diff", "eval_ppl_rel_diff"}
                for r in rows)
-    assert rows[0]["max_abs_param_diff"] == 0.0
     assert all(r["max_abs_param_diff"] <= 1e-5 and r["eval_ppl_rel_diff"] <= 1e-6 for r in rows)
 
 
-def test_verify_fails_on_a_wrong_strategy(monkeypatch, tmp_path, capsys):
-    """A strategy that drifts (here: default's result nudged by 1e-3) makes it exit 1."""
+class OffByOnePercent(ParallelDo):
+    """parallel_do whose merged gradient (and so its norm) is 1.01 times the right one:
+    the same update as the right one on every clipped step."""
+
+    def reduce_gradients(self, grads, variables):
+        return [1.01 * g for g in super().reduce_gradients(grads, variables)]
+
+
+def test_verify_fails_a_gradient_off_by_one_percent(monkeypatch, tmp_path, capsys):
+    """The auto clip norm leaves some steps unclipped, so a gradient off by a constant
+    factor moves the weights and the momentum slots differently: exit 1."""
+    monkeypatch.setitem(tfpar.parallel.STRATEGIES, "off_by_1pc",
+                        lambda dist: OffByOnePercent(list(dist.devices)))
+    monkeypatch.setitem(verify.RUNNERS, "off_by_1pc", Runner(verify.on_devices("off_by_1pc")))
+    path = tmp_path / "rows.json"
+    argv = ["--strategies", "parallel_do:2,off_by_1pc:2", "--json", str(path)]
+    assert verify.main(argv + SMALL) == 1
+    out = capsys.readouterr().out
+    table = table_rows(out)
+    assert table["parallel_do", 2][2] == "ok" and table["off_by_1pc", 2][2] == "FAIL"
+    assert 0 < table["off_by_1pc", 2][0] < 2  # It had an unclipped step.
+    assert "FAIL off_by_1pc:2: max |dtheta|" in out and "FAIL parallel_do" not in out
+    rows = json.loads(path.read_text())
+    assert rows[1]["strategy"] == "off_by_1pc" and rows[1]["max_abs_param_diff"] > 1e-5
+
+
+def test_verify_fails_on_a_wrong_strategy_and_warns_when_nothing_is_clipped(
+        monkeypatch, tmp_path, capsys):
+    """A strategy that drifts (here: default's result nudged by 1e-3) makes it exit 1; a
+    clip norm above every gradient norm is reported as leaving clipping untested."""
 
     def broken(setup, replicas):
         r = verify.run_default(setup, 1)
@@ -106,15 +186,27 @@ def test_verify_fails_on_a_wrong_strategy(monkeypatch, tmp_path, capsys):
 
     monkeypatch.setitem(verify.RUNNERS, "broken", Runner(broken))
     path = tmp_path / "rows.json"
-    argv = ["--strategies", "default,broken:2", "--clip-norm", "1000", "--json", str(path)]
+    argv = ["--strategies", "broken:2", "--clip-norm", "1000", "--json", str(path)]
     assert verify.main(argv + SMALL) == 1
     out = capsys.readouterr().out
     assert "FAIL broken:2: max |dtheta| 0.001 > tolerance 1e-05" in out
-    assert "warning: default:1: clipping never fired" in out
+    assert "warning: broken:2: clipping never fired" in out
     rows = json.loads(path.read_text())
-    assert rows[1]["strategy"] == "broken" and rows[1]["max_abs_param_diff"] > 1e-5
+    assert rows[0]["strategy"] == "broken" and rows[0]["max_abs_param_diff"] > 1e-5
 
 
-def test_help_explains_sgd():
-    text = verify.parser().format_help()
+def test_report_exit_status_follows_the_rows(capsys):
+    setup = types.SimpleNamespace(clip_norm=0.5, clip_norm_auto=True, spec=VerifySpec())
+    good = Row("tower", 2, 1e-7, 1e-8, 1, 2, 0.1, [])
+    assert verify.report(setup, [good]) == 0
+    assert "all 1 strategies match default" in capsys.readouterr().out
+    bad = Row("tower", 3, 1e-3, 1e-8, 1, 2, 0.1, ["max |dtheta| 0.001 > tolerance 1e-05"])
+    assert verify.report(setup, [good, bad]) == 1
+    assert "FAIL tower:3: max |dtheta| 0.001" in capsys.readouterr().out
+
+
+def test_help_explains_the_optimizer_and_the_clip_norm():
+    text = " ".join(verify.parser().format_help().split())
     assert "SGD" in text and "Adam" in text and "--tolerance" in text
+    assert "--momentum" in text and "slots are compared" in text
+    assert "median gradient norm" in text and "some steps are clipped and some not" in text

@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from tfpar.tools.bench.contenders import (Contender, ContenderFailed, Segment, build_available,
                                           describe)
@@ -72,16 +72,26 @@ class ContenderServer:
         return {n: RemoteContender(n, self) for n, s in self.status.items() if s == "ok"}
 
     def close(self) -> None:
+        """Closes the child's stdin (its cue to leave) and waits for it to exit; a child
+        still there after 60 s is killed (every segment has been answered by then)."""
+        import subprocess
+
         if self.proc.poll() is None:
             self.proc.stdin.close()
-            self.proc.wait(timeout=60)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                log.warning("benchmark child process still running 60 s after its last "
+                            "request: killed it")
+                self.proc.kill()
+                self.proc.wait()
 
 
-def serve(request: str) -> int:
+def serve(request: str) -> NoReturn:
     """The child side of :class:`ContenderServer`: sets up its runtime as
     ``scripts/train.py`` would for two logical CPU devices, builds the contenders, then
     answers ``{"name", "steps"}`` requests with a Segment (or the error that segment
-    raised), one JSON line each."""
+    raised), one JSON line each. Ends the process (status 0) when its stdin closes."""
     from tfpar.config import DistConfig
     from tfpar.tools.cli import prepare_runtime
 
@@ -102,4 +112,7 @@ def serve(request: str) -> int:
             reply = {"error": describe(e)}
         out.write(json.dumps(reply) + "\n")
         out.flush()
-    return 0
+    sys.stderr.flush()
+    # Leave without TensorFlow's teardown: after the distributed contenders it took up to
+    # a minute on a busy 2-core host, and the parent waits for this process to end.
+    os._exit(0)
