@@ -9,7 +9,8 @@ replica's rows run) and *aggregation* (how the replicas' gradients become one)::
                   g_r = d(nll_r / N) / d(theta)                     (replica_gradients)
     aggregation   g = g_0 + ... + g_{R-1}                           (the strategy's reduce)
     update        |g| = global norm;  c = clip / max(|g|, clip)     (here, once)
-                  if |g| is finite: theta <- optimizer(c * g)       else: nothing changes
+                  if |g| and the loss are finite: theta <- optimizer(c * g)
+                  else: nothing changes
 
 Because each replica differentiates ``nll_r / N`` with ``N`` the *global* count, the plain
 sum of the replicas' gradients is the gradient one device computes on the whole batch,
@@ -129,11 +130,17 @@ def clip_factor(global_norm: tf.Tensor, clip_norm: float) -> tf.Tensor:
     return clip_norm / tf.maximum(global_norm, clip_norm)
 
 
-def update(norm: tf.Tensor, clip_norm: float, apply: Callable[[tf.Tensor], Any]) -> tf.Tensor:
-    """The update: ``apply(clip factor)`` when ``norm`` is finite, nothing otherwise.
+def update(norm: tf.Tensor, nll_sum: tf.Tensor, clip_norm: float,
+           apply: Callable[[tf.Tensor], Any]) -> tf.Tensor:
+    """The update: ``apply(clip factor)`` when the step is finite, nothing otherwise.
+
+    A step is finite when both the aggregated gradient's norm and the summed loss are:
+    the loop reports a step with either one inf/NaN as "not applied", so neither may
+    reach the weights (an overflowing loss can come with a finite gradient).
 
     Args:
       norm: global norm of the aggregated gradient.
+      nll_sum: the batch's summed loss (all replicas).
       clip_norm: ``--clip-norm`` (0: no clipping).
       apply: applies ``factor * gradient`` once (the strategy's ``apply``).
 
@@ -149,7 +156,8 @@ def update(norm: tf.Tensor, clip_norm: float, apply: Callable[[tf.Tensor], Any])
     # The condition sits outside any replica context: under tf.distribute a
     # synchronisation point (the optimizer's all-reduce) may not live in replica control
     # flow, so the strategy's apply calls strategy.run inside this branch.
-    return tf.cond(tf.math.is_finite(norm), applied, lambda: tf.constant(False))
+    finite = tf.logical_and(tf.math.is_finite(norm), tf.math.is_finite(nll_sum))
+    return tf.cond(finite, applied, lambda: tf.constant(False))
 
 
 def make_train_step(plugin, model, optimizer, *, clip_norm: float):
@@ -165,7 +173,7 @@ def make_train_step(plugin, model, optimizer, *, clip_norm: float):
     @tf.function(reduce_retracing=True)
     def train_step(batch, state=None):
         agg = plugin.gradients(model, batch, state)
-        update(agg.norm, clip_norm,
+        update(agg.norm, agg.nll_sum, clip_norm,
                lambda factor: plugin.apply(optimizer, model.trainable_variables, agg.grads,
                                            factor))
         return dict(nll_sum=agg.nll_sum, count=agg.count, grad_norm=agg.norm,

@@ -233,7 +233,7 @@ class Coordinator:
             norm = tf.linalg.global_norm(grads)
             # The one update (clip, finite guard): a non-finite gradient never reaches
             # the parameters, nor the step count.
-            step.update(norm, clip_norm, lambda factor: apply_update(
+            step.update(norm, nll_sum, clip_norm, lambda factor: apply_update(
                 optimizer, [g * factor for g in grads], model.trainable_variables))
             return dict(nll_sum=nll_sum, count=count, grad_norm=norm)
 

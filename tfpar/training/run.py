@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from typing import Any
 
@@ -168,8 +169,11 @@ def _write_json(path: str, metrics: dict[str, Any]) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = path + ".tmp"
+    # Strict JSON has no NaN or Infinity: a diverged run's perplexities are written as null.
+    metrics = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+               for k, v in metrics.items()}
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(metrics, f, indent=2, sort_keys=True, default=_json_default)
+        json.dump(metrics, f, indent=2, sort_keys=True, default=_json_default, allow_nan=False)
     os.replace(tmp, path)
 
 
