@@ -16,13 +16,13 @@ import signal
 import threading
 import time
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 from tfpar.errors import Interrupted, TrainingError
 from tfpar.objective.losses import perplexity
 from tfpar.objective.step import run_steps
+from tfpar.training.hooks import CheckpointHook, ProgressHook, Record, SummaryHook
 
 log = logging.getLogger(__name__)
 
@@ -38,76 +38,6 @@ class Progress:
     skipped: int = 0
 
 
-@dataclasses.dataclass(frozen=True)
-class Record:
-    """The finite steps that finished since the last record."""
-
-    step: int  # updates applied so far
-    steps: int  # steps this record covers (1, or a sync point's many)
-    nll: float
-    count: float
-    grad_norm: float  # mean over the steps
-    seconds: float
-    learning_rate: float
-
-    @property
-    def loss(self) -> float:
-        return self.nll / max(self.count, 1.0)
-
-    @property
-    def tokens_per_sec(self) -> float:
-        return self.count / max(self.seconds, 1e-9)
-
-    def crossed(self, every: int) -> bool:
-        """Whether a multiple of ``every`` lies in (step - steps, step], or this is the
-        first record."""
-        first = self.step - self.steps
-        return first == 0 or (bool(every) and self.step // every > first // every)
-
-
-# ----------------------------------------------------------------------------- hooks
-class SummaryHook:
-    """Train scalars every ``--log-every`` steps (and at the first)."""
-
-    def __init__(self, writer, every: int):
-        self.writer, self.every = writer, every
-
-    def __call__(self, r: Record) -> None:
-        if r.crossed(self.every):
-            self.writer.scalars("train", {
-                "loss": r.loss, "perplexity": math.exp(min(r.loss, 50.0)),
-                "tokens_per_sec": r.tokens_per_sec, "learning_rate": r.learning_rate,
-                "grad_norm": r.grad_norm,
-            }, r.step)
-
-
-class CheckpointHook:
-    """A checkpoint every ``--checkpoint-every`` steps (0: only at epoch ends)."""
-
-    def __init__(self, checkpointer, every: int):
-        self.checkpointer, self.every = checkpointer, every
-
-    def __call__(self, r: Record) -> None:
-        if self.every and r.step // self.every > (r.step - r.steps) // self.every:
-            self.checkpointer.save(r.step)
-
-
-class ProgressHook:
-    """A Keras progress bar per epoch."""
-
-    def __init__(self):
-        self.bar = None
-
-    def start_epoch(self, total: int | None) -> None:
-        self.bar = keras.utils.Progbar(total, unit_name="step")
-
-    def __call__(self, r: Record) -> None:
-        if self.bar is not None:
-            self.bar.add(r.steps, [("loss", r.loss), ("ppl", math.exp(min(r.loss, 50.0))),
-                                   ("tok/s", r.tokens_per_sec)])
-
-
-# ----------------------------------------------------------------------------- evaluation
 def evaluate(plugin, eval_step, data, split: str, batch_size: int) -> tuple[float, float]:
     """Total (nll, tokens) of ``split``, distributed like training; ppl = exp(nll / tokens)."""
     batches = plugin.distribute(
@@ -120,7 +50,6 @@ def evaluate(plugin, eval_step, data, split: str, batch_size: int) -> tuple[floa
     return nll, count
 
 
-# ----------------------------------------------------------------------------- loops
 class Loop:
     """Epochs of synchronous steps; see the module docstring."""
 

@@ -1,0 +1,77 @@
+"""Periodic work of the training loop, as hooks: each is called with every
+:class:`Record` the loop makes (``for hook in hooks: hook(record)``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import keras
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """The finite steps that finished since the last record."""
+
+    step: int  # updates applied so far
+    steps: int  # steps this record covers (1, or a sync point's many)
+    nll: float
+    count: float
+    grad_norm: float  # mean over the steps
+    seconds: float
+    learning_rate: float
+
+    @property
+    def loss(self) -> float:
+        return self.nll / max(self.count, 1.0)
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.count / max(self.seconds, 1e-9)
+
+    def crossed(self, every: int) -> bool:
+        """Whether a multiple of ``every`` lies in (step - steps, step], or this is the
+        first record."""
+        first = self.step - self.steps
+        return first == 0 or (bool(every) and self.step // every > first // every)
+
+
+class SummaryHook:
+    """Train scalars every ``--log-every`` steps (and at the first)."""
+
+    def __init__(self, writer, every: int):
+        self.writer, self.every = writer, every
+
+    def __call__(self, r: Record) -> None:
+        if r.crossed(self.every):
+            self.writer.scalars("train", {
+                "loss": r.loss, "perplexity": math.exp(min(r.loss, 50.0)),
+                "tokens_per_sec": r.tokens_per_sec, "learning_rate": r.learning_rate,
+                "grad_norm": r.grad_norm,
+            }, r.step)
+
+
+class CheckpointHook:
+    """A checkpoint every ``--checkpoint-every`` steps (0: only at epoch ends)."""
+
+    def __init__(self, checkpointer, every: int):
+        self.checkpointer, self.every = checkpointer, every
+
+    def __call__(self, r: Record) -> None:
+        if self.every and r.step // self.every > (r.step - r.steps) // self.every:
+            self.checkpointer.save(r.step)
+
+
+class ProgressHook:
+    """A Keras progress bar per epoch."""
+
+    def __init__(self):
+        self.bar = None
+
+    def start_epoch(self, total: int | None) -> None:
+        self.bar = keras.utils.Progbar(total, unit_name="step")
+
+    def __call__(self, r: Record) -> None:
+        if self.bar is not None:
+            self.bar.add(r.steps, [("loss", r.loss), ("ppl", math.exp(min(r.loss, 50.0))),
+                                   ("tok/s", r.tokens_per_sec)])
