@@ -1,11 +1,12 @@
 """Checks that a parallel set-up computes what one device computes.
 
-``scripts/verify_parallel.py`` trains every requested strategy for a few SGD steps from the
-same initial weights on the same global batches, then compares each one's final
-parameters and its (distributed) evaluation with the ``default`` strategy's. The batches
-are bucketed sentences of different lengths, so replicas hold unequal token counts, and a
-batch row count that the replica counts do not divide; dropout is off and the clip norm
-is below the gradient norm, so clipping after aggregation is exercised, not skipped.
+``scripts/verify_parallel.py`` trains every requested strategy for a few SGD-with-momentum
+steps from the same initial weights on the same global batches, then compares each one's
+final parameters and momentum slots and its (distributed) evaluation with the
+``default`` strategy's. The batches are bucketed sentences of different lengths, so
+replicas hold unequal token counts, and a batch row count that the replica counts do not
+divide; dropout is off and the clip norm is the median gradient norm of the first steps,
+so clipped and unclipped steps are both exercised.
 
 Strategies are table-driven: :data:`RUNNERS` maps a name to a :class:`Runner` whose
 function trains N steps and returns a :class:`RunResult`. A new strategy adds one entry.
@@ -420,12 +421,12 @@ def parser() -> argparse.ArgumentParser:
         description=(
             "Train each strategy for a few steps from the same initial weights on the same "
             "global batches (bucketed, variable-length sentences, so replicas hold unequal "
-            "token counts; dropout off; gradient clipping active) and check that its final "
-            "parameters and its distributed eval perplexity match the default strategy's "
-            "(one device). Exits 1 when any strategy is outside the tolerances. The optimizer "
-            "is plain SGD on purpose: Adam divides by the root of the squared gradients, "
-            "which turns float-rounding differences of near-zero gradients into full-size "
-            "steps, so Adam runs differ by far more than the arithmetic does."
+            "token counts; dropout off; some steps clipped and some not) and check that its "
+            "final parameters, its momentum slots and its distributed eval perplexity match "
+            "the default strategy's (one device). Exits 1 when any strategy is outside the "
+            "tolerances. The optimizer is SGD with momentum: Adam divides by the root of the "
+            "squared gradients, which can turn float-rounding differences of near-zero "
+            "gradients into full-size steps."
         ),
     )
     p.add_argument("--strategies", default="default,mirrored:2,tower:2",
