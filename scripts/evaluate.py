@@ -99,7 +99,7 @@ def evaluate_model_dir(args) -> dict:
                           f"replicas of --strategy {plugin.name}; use >= {plugin.num_replicas}")
     vocab = Vocab.load(vocab_path)
     state = build_train_state(plugin.scope(), config.model, len(vocab),
-                              seed=config.train.seed)
+                              seed=config.train.seed, fixed_shapes=config.data.mode == "stream")
     model = state.model
     try:
         tf.train.Checkpoint(layers=state.trackables()["layers"]).restore(ckpt) \

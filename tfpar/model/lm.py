@@ -27,10 +27,15 @@ def rnn_name(i: int) -> str:
 class RNNLanguageModel(keras.Model):
     """Embedding → stacked RNN → softmax; see the module docstring."""
 
-    def __init__(self, config: ModelConfig, vocab_size: int, *, seed: int = 0, **kwargs):
+    def __init__(self, config: ModelConfig, vocab_size: int, *, seed: int = 0,
+                 fixed_shapes: bool = True, **kwargs):
         super().__init__(**kwargs)
         self.config = config
         self.vocab_size = vocab_size
+        # False when batch shapes vary (sentence mode): the traced graph then never
+        # specialises on a batch's shape (see embed), so every batch runs the same kernels
+        # whichever shape a step function happened to be traced with first.
+        self.fixed_shapes = fixed_shapes
         init = _initializer(config.init_scale, seed)
         self.embedding = keras.layers.Embedding(
             vocab_size, config.embed_dim, mask_zero=True, name=EMBEDDING,
@@ -83,6 +88,14 @@ class RNNLanguageModel(keras.Model):
 
     def embed(self, inputs, training=False):
         """[B, T] ids → ([B, T, E] vectors, [B, T] bool mask)."""
+        if not self.fixed_shapes and not tf.executing_eagerly():
+            # Forget the static [B, T] of the batch this graph is traced with. With
+            # reduce_retracing a step function's first trace has exact shapes and later
+            # ones do not, and fixed shapes select XLA kernels (tfpar.model.xla) that round
+            # differently in the last bits: which batches ran which kernels would depend
+            # on where a run started, and a resumed run would not repeat an
+            # uninterrupted one exactly.
+            inputs = tf.raw_ops.PlaceholderWithDefault(input=inputs, shape=[None, None])
         x = self.embedding(inputs)
         return self.dropouts[0](x, training=training), tf.not_equal(inputs, 0)
 
@@ -161,22 +174,29 @@ def _initializer(scale: float, seed: int):
     return keras.initializers.RandomUniform(-scale, scale, seed=seed)
 
 
-def build_model(config: ModelConfig, vocab_size: int, *, seed: int = 0) -> RNNLanguageModel:
-    """Creates the model and its variables (call inside the strategy's scope)."""
+def build_model(config: ModelConfig, vocab_size: int, *, seed: int = 0,
+                fixed_shapes: bool = True) -> RNNLanguageModel:
+    """Creates the model and its variables (call inside the strategy's scope).
+
+    ``fixed_shapes``: False when batch shapes vary from batch to batch (sentence mode).
+    """
     keras.utils.set_random_seed(seed)
-    model = RNNLanguageModel(config, vocab_size, seed=seed, name="rnn_lm")
+    model = RNNLanguageModel(config, vocab_size, seed=seed, fixed_shapes=fixed_shapes,
+                             name="rnn_lm")
     model(tf.zeros([1, 1], tf.int32))
     return model
 
 
-def detached_copy(config: ModelConfig, vocab_size: int, *, seed: int = 0) -> RNNLanguageModel:
+def detached_copy(config: ModelConfig, vocab_size: int, *, seed: int = 0,
+                  fixed_shapes: bool = True) -> RNNLanguageModel:
     """The architecture again, with its own variables (call outside any strategy scope),
     without touching the global seeds training relies on (``build_model`` would reset
     them): only Python's ``random`` is drawn from, for Keras's default initializers, and
     it is restored. For copies that evaluate, inspect or export a trained model."""
     state = random.getstate()
     try:
-        model = RNNLanguageModel(config, vocab_size, seed=seed, name="rnn_lm")
+        model = RNNLanguageModel(config, vocab_size, seed=seed, fixed_shapes=fixed_shapes,
+                                 name="rnn_lm")
         model(tf.zeros([1, 1], tf.int32))
     finally:
         random.setstate(state)

@@ -249,7 +249,8 @@ class Coordinator:
         return schedule
 
     def make_eval_step(self, model):
-        copy = detached_copy(model.config, model.vocab_size)  # on the coordinator
+        copy = detached_copy(model.config, model.vocab_size,  # on the coordinator
+                             fixed_shapes=model.fixed_shapes)
         copied = [-1]  # the version of the parameters in ``copy``
 
         @tf.function(reduce_retracing=True)

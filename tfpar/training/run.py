@@ -98,7 +98,8 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
              "/".join(str(len(corpus.splits[s])) for s in ("train", "valid", "test")), len(vocab))
 
     state = build_train_state(plugin.scope(), config.model, len(vocab), seed=config.train.seed,
-                              make_optimizer=optimizer_factory(config, plugin.num_replicas))
+                              make_optimizer=optimizer_factory(config, plugin.num_replicas),
+                              fixed_shapes=config.data.mode == "stream")
     ckpt = checkpoints.Checkpointer(model_dir, plugin.is_chief, config.run.keep_checkpoints,
                                     **state.trackables())
     ckpt.restore_latest()

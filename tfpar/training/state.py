@@ -92,7 +92,8 @@ def optimizer_slots(optimizer, model_name: str) -> dict[str, tf.Variable]:
 def build_train_state(scope: contextlib.AbstractContextManager, model_config: ModelConfig,
                       vocab_size: int, *, seed: int,
                       make_optimizer: OptimizerFactory | None = None,
-                      initial_weights: list[np.ndarray] | None = None) -> TrainState:
+                      initial_weights: list[np.ndarray] | None = None,
+                      fixed_shapes: bool = True) -> TrainState:
     """Builds the state inside ``scope`` (a strategy plug-in's ``scope()``).
 
     Args:
@@ -101,9 +102,11 @@ def build_train_state(scope: contextlib.AbstractContextManager, model_config: Mo
       make_optimizer: builds the optimizer from the epoch variable; None: no optimizer
         (evaluation only).
       initial_weights: weights to start from instead of the seeded initialisation.
+      fixed_shapes: False when batch shapes vary (sentence mode; see
+        ``tfpar.model.lm.RNNLanguageModel``).
     """
     with scope:
-        model = build_model(model_config, vocab_size, seed=seed)
+        model = build_model(model_config, vocab_size, seed=seed, fixed_shapes=fixed_shapes)
         if initial_weights is not None:
             model.set_weights(initial_weights)
         epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")

@@ -211,7 +211,8 @@ class EpochInspector:
 
     def __init__(self, config, vocab, data):
         self.config, self.vocab, self.data = config, vocab, data
-        self.copy = detached_copy(config.model, len(vocab), seed=config.train.seed)
+        self.copy = detached_copy(config.model, len(vocab), seed=config.train.seed,
+                                  fixed_shapes=config.data.mode == "stream")
         self.sampler = sample.Sampler(self.copy, vocab)
         self._batch = None
         copy = self.copy
