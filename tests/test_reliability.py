@@ -226,3 +226,56 @@ def test_a_resumed_run_repeats_an_uninterrupted_one_exactly(strategy, tiny_corpu
     assert_same_tensors(final_weights(tmp_path / "resumed"), final_weights(tmp_path / "whole"))
     assert (resumed["steps"], resumed["valid_ppl"], resumed["test_ppl"]) == \
         (whole["steps"], whole["valid_ppl"], whole["test_ppl"])
+
+
+def test_writer_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(tmp_path, caplog):
+    from tfpar.errors import ConfigError
+    from tfpar.training.checkpoints import WriterLock
+
+    first = WriterLock(str(tmp_path))
+    first.acquire()
+    holder = json.loads((tmp_path / "LOCK").read_text())
+    assert holder["pid"] == os.getpid()
+    with pytest.raises(ConfigError, match=rf"--model-dir '{tmp_path}' is in use by pid "
+                                          rf"{os.getpid()} on \S+ \(lock .*LOCK\); wait for "
+                                          "that run to end, or use another --model-dir"):
+        WriterLock(str(tmp_path)).acquire()
+    first.release()
+    assert not (tmp_path / "LOCK").exists()
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    (tmp_path / "LOCK").write_text(json.dumps({"pid": int(dead.stdout), "host": holder["host"]}))
+    second = WriterLock(str(tmp_path))
+    with caplog.at_level("WARNING", logger="tfpar"):
+        second.acquire()
+    assert "taking over the stale lock" in caplog.text
+    assert json.loads((tmp_path / "LOCK").read_text())["pid"] == os.getpid()
+    second.release()
+
+    (tmp_path / "LOCK").write_text(json.dumps({"pid": 1, "host": "another-host"}))
+    with pytest.raises(ConfigError, match="is in use by pid 1 on another-host"):
+        WriterLock(str(tmp_path)).acquire()  # another host's pid cannot be checked
+
+
+def test_a_second_run_on_a_model_dir_in_use_is_refused(tiny_corpus_dir, tmp_path, capsys):
+    model_dir = tmp_path / "run"
+    first = start(["--data", str(tiny_corpus_dir), "--embed-dim", "16", "--hidden-dim", "16",
+                   "--batch-size", "8", "--epochs", "20", "--max-steps", "400",
+                   "--no-progress", "--no-export", "--model-dir", str(model_dir),
+                   "--metrics-json", str(tmp_path / "first.json")])
+    wait_for(lambda: (model_dir / "checkpoints").exists() or (model_dir / "train").exists(),
+             first)
+    assert (model_dir / "LOCK").exists()
+    code = train_main(["--data", str(tiny_corpus_dir), "--embed-dim", "16", "--hidden-dim",
+                       "16", "--batch-size", "8", "--max-steps", "5", "--no-progress",
+                       "--no-export", "--model-dir", str(model_dir)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"is in use by pid {first.pid}" in err
+    assert [l for l in err.splitlines() if l.startswith("error:")] == [err.strip().splitlines()[-1]]
+    assert "Traceback" not in err
+    out, _ = first.communicate(timeout=600)
+    assert first.returncode == 0, out  # the first run is unharmed
+    assert json.loads((tmp_path / "first.json").read_text())["steps"] == 400
+    assert not (model_dir / "LOCK").exists()

@@ -1,17 +1,20 @@
 """Checkpoints: ``tf.train.Checkpoint`` + ``CheckpointManager``, config beside them.
 
 ``model_dir`` holds ``config.json`` (the run's configuration), ``vocab.txt``,
-``checkpoints/`` and the TensorBoard event folders. The latest checkpoint is the one the
+``checkpoints/``, the TensorBoard event folders and, while a run writes, ``LOCK``. The latest checkpoint is the one the
 manager's state file names (never the newest file by time). A re-run with the same
 model dir restores it; one whose configuration changes the model is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 
 import tensorflow as tf
@@ -21,6 +24,7 @@ from tfpar.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
+LOCK_FILE = "LOCK"
 
 
 def incompatible(model_dir: str, what: str) -> CheckpointError:
@@ -29,9 +33,11 @@ def incompatible(model_dir: str, what: str) -> CheckpointError:
     )
 
 
-def prepare_model_dir(config: Config, is_chief: bool) -> str:
-    """Creates the model dir (default ``runs/<strategy>-<timestamp>``) and checks or writes
-    its ``config.json``."""
+@contextlib.contextmanager
+def open_model_dir(config: Config, is_chief: bool):
+    """Creates the model dir (default ``runs/<strategy>-<timestamp>``), takes its writer
+    lock (the chief only), checks or writes its ``config.json``; yields its path and
+    releases the lock on the way out, however the run ends."""
     model_dir = config.run.model_dir or os.path.join(
         "runs", f"{config.dist.strategy}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     )
@@ -42,6 +48,19 @@ def prepare_model_dir(config: Config, is_chief: bool) -> str:
         os.makedirs(model_dir, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"cannot create --model-dir {model_dir!r}: {e.strerror}") from None
+    lock = WriterLock(model_dir) if is_chief else None
+    if lock is not None:
+        lock.acquire()
+    try:
+        check_config_file(model_dir, config, is_chief)
+        yield model_dir
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def check_config_file(model_dir: str, config: Config, is_chief: bool) -> None:
+    """Refuses a ``config.json`` the run cannot resume; writes it in a new model dir."""
     path = os.path.join(model_dir, CONFIG_FILE)
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
@@ -54,7 +73,73 @@ def prepare_model_dir(config: Config, is_chief: bool) -> str:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(config.to_json())
         os.replace(tmp, path)
-    return model_dir
+
+
+class WriterLock:
+    """One writer per model dir: ``<model_dir>/LOCK`` holds the writer's pid and host.
+
+    Created with ``O_CREAT | O_EXCL``, so of two runs started together exactly one gets
+    it; the other is refused with a one-line error. A lock whose process is gone (same
+    host, pid no longer running: a run killed with SIGKILL) is stale and taken over with
+    a warning. A lock from another host cannot be checked and is never taken over.
+    """
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self.path = os.path.join(model_dir, LOCK_FILE)
+        self.held = False
+
+    def acquire(self) -> None:
+        me = {"pid": os.getpid(), "host": socket.gethostname()}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if not self._stale(holder, me["host"]):
+                    raise ConfigError(
+                        f"--model-dir {self.model_dir!r} is in use by pid {holder['pid']} "
+                        f"on {holder['host']} (lock {self.path}); wait for that run to end, "
+                        "or use another --model-dir") from None
+                log.warning("taking over the stale lock %s of pid %s on %s (no longer "
+                            "running)", self.path, holder.get("pid"), holder.get("host"))
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.path)
+                continue
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(me, f)
+            self.held = True
+            return
+        raise ConfigError(f"cannot take the lock {self.path}: other runs keep taking it; "
+                          "use another --model-dir")
+
+    def release(self) -> None:
+        if self.held:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+            self.held = False
+
+    def _holder(self) -> dict:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                holder = json.load(f)
+            return {"pid": int(holder["pid"]), "host": str(holder["host"])}
+        except (OSError, ValueError, KeyError, TypeError):
+            return {"pid": None, "host": None}  # empty or torn: its writer died at once
+
+    @staticmethod
+    def _stale(holder: dict, host: str) -> bool:
+        if holder["pid"] is None:
+            return True
+        if holder["host"] != host:
+            return False
+        try:
+            os.kill(holder["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
 
 
 class Checkpointer:

@@ -86,11 +86,16 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
             task.serve()
             return {}
     plugin = build_plugin(config)
-    asynchronous = config.dist.strategy in ASYNCHRONOUS
     log.info("strategy %s", plugin.describe())
     plugin.check_config(config)
     check_batch_sizes(config, plugin.num_replicas)
-    model_dir = checkpoints.prepare_model_dir(config, plugin.is_chief)
+    with checkpoints.open_model_dir(config, plugin.is_chief) as model_dir:
+        return _train(config, plugin, model_dir)
+
+
+def _train(config: Config, plugin, model_dir: str) -> dict[str, Any]:
+    """The run itself, in a model dir this process holds."""
+    asynchronous = config.dist.strategy in ASYNCHRONOUS
     corpus = load_corpus(config.data, seed=config.train.seed)
     vocab = prepare_vocab(config, corpus, model_dir, plugin.is_chief)
     data = InputData(corpus.splits, vocab, config.data, seed=config.train.seed)
