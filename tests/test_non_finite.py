@@ -310,7 +310,8 @@ def test_sampling_a_diverged_model_ends_rows_instead_of_failing():
 
 
 # ----------------------------------------------------------------------------- the CLI
-DIVERGE = ["--optimizer", "adam", "--lr", "1e38", "--clip-norm", "0"]
+# --nan-patience 0: skip never gives up (test_skip_gives_up_after_nan_patience_batches)
+DIVERGE = ["--optimizer", "adam", "--lr", "1e38", "--clip-norm", "0", "--nan-patience", "0"]
 COUNTERS = ("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter", "epoch", "batch_in_epoch")
 
 
@@ -376,7 +377,26 @@ def test_on_nan_stop_exits_with_one_line_and_the_last_good_weights(corpus, refer
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: non-finite loss or gradient in the batch after step 1 "
-                           "(loss nan, gradient norm nan); the update was not applied.")
+                           "(loss nan, gradient norm nan); the update was not applied and "
+                           "the weights of step 1 are checkpointed in ")
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [last]
+    check_checkpoint_is_step_1(tmp_path / "run", reference)
+
+
+def test_skip_gives_up_after_nan_patience_batches(corpus, reference, tmp_path, capsys):
+    """--on-nan skip with --nan-patience 3: three bad batches in a row, then a one-line
+    error (exit 2) and the last good weights checkpointed."""
+    args = run_args(corpus, tmp_path, "--max-steps", "5", "--on-nan", "skip")
+    args[args.index("--nan-patience") + 1] = "3"
+    code = train_main(args)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "Traceback" not in err
+    assert len([l for l in err.splitlines() if l.endswith("skipped (--on-nan skip)")]) == 2
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: 3 non-finite batches in a row after step 1 "
+                           "(--nan-patience 3): giving up; the weights of step 1 are "
+                           "checkpointed in ")
     assert [line for line in err.splitlines() if line.startswith("error:")] == [last]
     check_checkpoint_is_step_1(tmp_path / "run", reference)
 

@@ -172,7 +172,7 @@ def test_non_finite_step_stops_without_applying(tiny_args, capsys, tmp_path):
 
 def test_non_finite_steps_are_skipped_with_on_nan_skip(tiny_args, tmp_path):
     code = train_main(tiny_args + ["--optimizer", "sgd", "--lr", "1e38", "--clip-norm", "0",
-                                   "--on-nan", "skip", "--no-export"])
+                                   "--on-nan", "skip", "--nan-patience", "0", "--no-export"])
     assert code == 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["skipped_batches"] > 0

@@ -165,11 +165,14 @@ class TrainConfig:
     deterministic: bool = False
     # What a non-finite loss or gradient does: "stop" the run or "skip" the update.
     on_nan: str = "stop"
+    # --on-nan skip gives up after this many non-finite batches in a row (0: never).
+    nan_patience: int = 10
 
     def __post_init__(self) -> None:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("scale-lr", self.scale_lr, SCALE_LR)
         _choice("on-nan", self.on_nan, ON_NAN)
+        _non_negative("nan-patience", self.nan_patience)
         _positive("lr", self.lr)
         _positive("lr-decay", self.lr_decay)
         _non_negative("decay-after", self.decay_after)

@@ -118,6 +118,9 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deterministic", action="store_true",
                    help="deterministic TF kernels for the whole process (slower; exact resumes)")
     g.add_argument("--on-nan", default="stop", help="stop | skip a non-finite step")
+    g.add_argument("--nan-patience", type=int, default=10,
+                   help="--on-nan skip gives up after N non-finite batches in a row "
+                        "(0: never; default: %(default)s)")
 
 
 def add_output_flags(p: argparse.ArgumentParser) -> None:
@@ -203,7 +206,7 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
             scale_lr=a.scale_lr, warmup_steps=a.warmup_steps, clip_norm=a.clip_norm,
             epochs=a.epochs, max_steps=a.max_steps, batch_size=a.batch_size,
             eval_batch_size=a.eval_batch_size, seed=a.seed, deterministic=a.deterministic,
-            on_nan=a.on_nan,
+            on_nan=a.on_nan, nan_patience=a.nan_patience,
         ),
         dist=dist_config_from_args(a),
         run=cfg.RunConfig(

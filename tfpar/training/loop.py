@@ -59,6 +59,7 @@ class Loop:
         self.checkpointer, self.writer = checkpointer, writer
         self.train_step, self.eval_step = train_step, eval_step
         self.progress = Progress()
+        self.bad_in_a_row = 0  # non-finite batches since the last finite one
         self.stop_signal = StopSignal()
         self.bar = ProgressHook() if config.run.progress else None
         self.hooks = [SummaryHook(writer, config.run.log_every),
@@ -119,6 +120,7 @@ class Loop:
             else:
                 self.non_finite(step, nll, norm)
         if finite:
+            self.bad_in_a_row = 0
             r = Record(step=step, steps=len(outputs), nll=sum(f[0] for f in finite),
                        count=sum(f[1] for f in finite),
                        grad_norm=sum(f[2] for f in finite) / len(finite), seconds=seconds,
@@ -157,10 +159,20 @@ class Loop:
         one step's finite guard), so the weights are still the last good ones."""
         what = f"non-finite loss or gradient in the batch after step {step} (loss {nll}, " \
                f"gradient norm {norm})"
+        self.bad_in_a_row += 1
+        patience = self.config.train.nan_patience
         if self.config.train.on_nan == "stop":
             self.checkpointer.save(step)  # the last good weights (no-op if saved already)
-            raise TrainingError(f"{what}; the update was not applied. Lower --lr or "
-                                "--clip-norm, or pass --on-nan skip to drop such batches")
+            raise TrainingError(f"{what}; the update was not applied and the weights of "
+                                f"step {step} are checkpointed in {self.checkpointer.directory}. "
+                                "Lower --lr or --clip-norm, or pass --on-nan skip to drop "
+                                "such batches")
+        if patience and self.bad_in_a_row >= patience:
+            self.checkpointer.save(step)
+            raise TrainingError(f"{self.bad_in_a_row} non-finite batches in a row after step "
+                                f"{step} (--nan-patience {patience}): giving up; the weights "
+                                f"of step {step} are checkpointed in "
+                                f"{self.checkpointer.directory}. Lower --lr or --clip-norm")
         self.progress.skipped += 1
         log.warning("%s: skipped (--on-nan skip)", what)
 
