@@ -1,9 +1,8 @@
 """A checkpoint written under one synchronous strategy resumes under another (another
 device count too) and ends where a run that never moved ends: every synchronous strategy
 computes the one-device update, and checkpoints name tensors, not devices.
-
-Sentence mode only: in stream mode a resumed run restarts the carried RNN state from
-zeros (the state is not checkpointed yet), so no resume there is exact, moved or not."""
+In stream mode the checkpoint carries the recurrent state in global form ([B, H] per
+layer), so it moves too."""
 
 import pytest
 import tensorflow as tf
@@ -39,6 +38,8 @@ def weights(model_dir):
     ("sentence", "mirrored:2", "tower:3"),
     ("sentence", "tower:3", "pipeline"),
     ("sentence", "pipeline", "parallel_do:2"),
+    ("stream", "mirrored:2", "tower:3"),
+    ("stream", "pipeline", "mirrored:2"),
 ])
 def test_a_checkpoint_moves_between_strategies(mode, first, second, tiny_corpus_dir,
                                                tmp_path):

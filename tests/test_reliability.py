@@ -204,15 +204,18 @@ def test_full_disk_while_checkpointing_is_one_line_and_keeps_the_last_checkpoint
     assert not (tmp_path / "export").exists()
 
 
-@pytest.mark.parametrize("strategy", ["default", "mirrored"])
-def test_a_resumed_run_repeats_an_uninterrupted_one_exactly(strategy, tiny_corpus_dir,
+@pytest.mark.parametrize("strategy,mode", [("default", "sentence"), ("mirrored", "sentence"),
+                                           ("default", "stream"), ("mirrored", "stream")])
+def test_a_resumed_run_repeats_an_uninterrupted_one_exactly(strategy, mode, tiny_corpus_dir,
                                                             tmp_path):
     """60 steps, or 10 then 60 on the same model dir: every tensor bit-identical, and the
     same perplexities. Sentence mode: batch shapes vary, and a step function's graph must
     not depend on which shape it was first traced with (it once selected XLA kernels for
-    the first shape only, so a resumed run drifted by ~1e-7 per weight)."""
+    the first shape only, so a resumed run drifted by ~1e-7 per weight). Stream mode: the
+    checkpoint carries the recurrent state the next window starts from."""
     def run(name, steps):
-        args = ["--data", str(tiny_corpus_dir), "--strategy", strategy, "--embed-dim", "16",
+        args = ["--data", str(tiny_corpus_dir), "--mode", mode, "--bptt", "8",
+                "--strategy", strategy, "--embed-dim", "16",
                 "--hidden-dim", "16", "--dropout", "0.1", "--batch-size", "8", "--epochs", "3",
                 "--max-steps", str(steps), "--no-progress", "--no-export", "--deterministic",
                 "--checkpoint-every", "5", "--seed", "3", "--model-dir", str(tmp_path / name),

@@ -193,10 +193,11 @@ def make_eval_step(plugin, model):
     return as_step_output(eval_step)
 
 
-def run_steps(step_fn, batches, *, stream: bool):
+def run_steps(step_fn, batches, *, stream: bool, initial_state=None):
     """Yields ``step_fn``'s output for each batch; in stream mode each window starts from
-    the state the previous window ended in (the one place that state is carried)."""
-    state = None
+    the state the previous window ended in (the one place that state is carried), the
+    first from ``initial_state`` (None: zeros)."""
+    state = initial_state if stream else None
     for batch in batches:
         out = step_fn(batch, state)
         state = out.state if stream else None

@@ -93,6 +93,16 @@ class StrategyPlugin(abc.ABC):
     def losses(self, model, batch, state) -> tuple:
         """``(nll_sum, count, final_state)`` of the whole batch, without gradients."""
 
+    # -- the carried recurrent state (stream mode) in a form every strategy shares
+    def global_state(self, state):
+        """This plug-in's form of a carried state → the global batch's: one [B, H] tensor
+        per layer and state part (what a checkpoint holds)."""
+        return state
+
+    def local_state(self, state):
+        """The global batch's state → this plug-in's form (inverse of global_state)."""
+        return state
+
     # -- the one step, wrapped around the pieces
     def make_train_step(self, model, optimizer, *, clip_norm: float) -> TrainStep:
         """``step(batch, state) -> StepOutput`` that updates the model once."""

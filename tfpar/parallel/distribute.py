@@ -16,6 +16,7 @@ import tensorflow as tf
 from tfpar.parallel import devices as devices_lib
 from tfpar.objective import losses, step
 from tfpar.config import DistConfig
+from tfpar.data.pipeline import shard_bounds, state_rows
 from tfpar.errors import ConfigError
 from tfpar.parallel.base import StrategyPlugin
 
@@ -84,6 +85,25 @@ class DistributePlugin(StrategyPlugin):
         nll, count, final = self.strategy.run(
             lambda b, s: step.forward(model, b, s, training=False), args=(batch, state))
         return self._sum(nll), self._sum(count), final
+
+    def global_state(self, state):
+        if state is None or self.num_replicas == 1:
+            return state
+        # Replica r holds rows shard_bounds(B, R)[r], in replica order (data.pipeline).
+        return tf.nest.map_structure(lambda v: self.strategy.gather(v, axis=0), state)
+
+    def local_state(self, state):
+        if state is None or self.num_replicas == 1:
+            return state
+        replicas = self.num_replicas
+
+        def rows(ctx):
+            def part(v):
+                start, size = shard_bounds(tf.shape(v)[0], replicas, ctx.replica_id_in_sync_group)
+                return state_rows(v, start, size)
+            return tf.nest.map_structure(part, state)
+
+        return self.strategy.experimental_distribute_values_from_function(rows)
 
     def _sum(self, value):
         return self.strategy.reduce(SUM, value, axis=None)

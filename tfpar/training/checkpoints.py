@@ -151,6 +151,8 @@ class Checkpointer:
         self.is_chief = is_chief
         self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory, keep)
         self._last_saved = -1
+        # Called before every save (the loop stores the carried stream state there).
+        self.before_save = lambda: None
 
     def restore_latest(self) -> int | None:
         """Restores the newest readable checkpoint; returns its step (None: fresh start).
@@ -185,6 +187,7 @@ class Checkpointer:
         """
         if step == self._last_saved:
             return
+        self.before_save()
         if self.is_chief:
             try:
                 self.manager.save(checkpoint_number=step)

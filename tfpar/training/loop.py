@@ -60,6 +60,8 @@ class Loop:
         self.train_step, self.eval_step = train_step, eval_step
         self.progress = Progress()
         self.bad_in_a_row = 0  # non-finite batches since the last finite one
+        self.carrying = None  # stream mode: the state the next window starts from
+        checkpointer.before_save = self.store_carry
         self.stop_signal = StopSignal()
         self.bar = ProgressHook() if config.run.progress else None
         self.hooks = [SummaryHook(writer, config.run.log_every),
@@ -99,13 +101,22 @@ class Loop:
         stream = self.config.data.mode == "stream"
         train_step = restart_state_after_non_finite(self.train_step) if stream else \
             self.train_step
+        # A resumed epoch starts from the state its checkpoint carried; a new one from 0.
+        initial = self.plugin.local_state(self.state.carried()) if stream and skip else None
+        self.carrying = initial
         start = time.perf_counter()
-        for out in run_steps(train_step, batches, stream=stream):
+        for out in run_steps(train_step, batches, stream=stream, initial_state=initial):
             now = time.perf_counter()
+            self.carrying = out.state if stream else None
             self.record([out], now - start)
             start = now
             if self.done():
                 break
+
+    def store_carry(self) -> None:
+        """Before a checkpoint: the carried stream state, in global form, into the state."""
+        if self.state.carry:
+            self.state.store_carry(self.plugin.global_state(self.carrying))
 
     def record(self, outputs: list, seconds: float) -> None:
         """The one place finished steps go: non-finite ones are reported (``--on-nan``),
@@ -144,6 +155,7 @@ class Loop:
         self.writer.end_epoch(self.state.model, self.step)
         self.state.epoch.assign(epoch + 1)
         self.state.batch_in_epoch.assign(0)
+        self.carrying = None  # the next epoch starts from zeros
         self.checkpointer.save(self.step)
 
     def check_stop_signal(self) -> None:

@@ -104,7 +104,9 @@ def _train(config: Config, plugin, model_dir: str) -> dict[str, Any]:
 
     state = build_train_state(plugin.scope(), config.model, len(vocab), seed=config.train.seed,
                               make_optimizer=optimizer_factory(config, plugin.num_replicas),
-                              fixed_shapes=config.data.mode == "stream")
+                              fixed_shapes=config.data.mode == "stream",
+                              carry_rows=config.train.batch_size
+                              if config.data.mode == "stream" and not asynchronous else 0)
     ckpt = checkpoints.Checkpointer(model_dir, plugin.is_chief, config.run.keep_checkpoints,
                                     **state.trackables())
     ckpt.restore_latest()

@@ -14,6 +14,9 @@ strategy's scope, so the variables land where the strategy wants them. A checkpo
     epoch                 epochs finished
     batch_in_epoch        batches of the current epoch consumed (trained or skipped)
     rng/<layer>           the dropout layers' RNG states
+    carry/rnn_<i>:<k>     stream mode: the recurrent state the next window starts from,
+                          [global batch, hidden] (k: 0 = h, 1 = c for LSTMs), so a run
+                          resumed mid-epoch carries on exactly, under any strategy
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class TrainState:
     optimizer: keras.optimizers.Optimizer | None
     epoch: tf.Variable  # int64 scalar: epochs finished
     batch_in_epoch: tf.Variable  # int64 scalar: batches of the current epoch consumed
+    # Stream mode: the carried state, one [B, H] variable per layer and state part
+    # (empty in sentence mode). Written just before each checkpoint (the loop does).
+    carry: list[list[tf.Variable]] = dataclasses.field(default_factory=list)
 
     @property
     def step(self) -> int:
@@ -53,10 +59,25 @@ class TrainState:
         # objects is saved under the first path TF's breadth-first walk finds.
         out = {"layers": named_weights(self.model), "model": self.model, "epoch": self.epoch,
                "batch_in_epoch": self.batch_in_epoch, "rng": self.model.seed_states()}
+        if self.carry:
+            out["carry"] = {f"rnn_{i}:{k}": v for i, layer in enumerate(self.carry)
+                            for k, v in enumerate(layer)}
         if self.optimizer is not None:
             out["moments"] = optimizer_slots(self.optimizer, self.model.name)
             out["optimizer"] = self.optimizer
         return out
+
+    def store_carry(self, state) -> None:
+        """Keeps ``state`` (global form, or None for zeros) as the carried state."""
+        for i, layer in enumerate(self.carry):
+            for k, v in enumerate(layer):
+                v.assign(tf.zeros_like(v) if state is None else state[i][k])
+
+    def carried(self):
+        """The carried state in global form (None: nothing carried, sentence mode)."""
+        if not self.carry:
+            return None
+        return [[tf.convert_to_tensor(v) for v in layer] for layer in self.carry]
 
     def variables(self) -> list[tf.Variable]:
         """Every variable the state holds (model, optimizer slots and counters)."""
@@ -93,7 +114,7 @@ def build_train_state(scope: contextlib.AbstractContextManager, model_config: Mo
                       vocab_size: int, *, seed: int,
                       make_optimizer: OptimizerFactory | None = None,
                       initial_weights: list[np.ndarray] | None = None,
-                      fixed_shapes: bool = True) -> TrainState:
+                      fixed_shapes: bool = True, carry_rows: int = 0) -> TrainState:
     """Builds the state inside ``scope`` (a strategy plug-in's ``scope()``).
 
     Args:
@@ -104,6 +125,8 @@ def build_train_state(scope: contextlib.AbstractContextManager, model_config: Mo
       initial_weights: weights to start from instead of the seeded initialisation.
       fixed_shapes: False when batch shapes vary (sentence mode; see
         ``tfpar.model.lm.RNNLanguageModel``).
+      carry_rows: stream mode: the global batch, whose recurrent state is checkpointed
+        (0: none).
     """
     with scope:
         model = build_model(model_config, vocab_size, seed=seed, fixed_shapes=fixed_shapes)
@@ -115,4 +138,10 @@ def build_train_state(scope: contextlib.AbstractContextManager, model_config: Mo
         if make_optimizer is not None:
             optimizer = make_optimizer(epoch)
             optimizer.build(model.trainable_variables)
-    return TrainState(model, optimizer, epoch, batch_in_epoch)
+    # Plain host variables, outside the strategy: they hold the global batch's state.
+    with tf.device("/cpu:0"):
+        carry = [[tf.Variable(tf.zeros([carry_rows, model_config.hidden_dim]),
+                              trainable=False, name=f"carry_{i}_{k}")
+                  for k in range(model.state_size)]
+                 for i in range(model_config.layers)] if carry_rows else []
+    return TrainState(model, optimizer, epoch, batch_in_epoch, carry)
