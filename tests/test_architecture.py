@@ -134,3 +134,19 @@ def test_the_update_is_written_once(words):
     owners = [name for name, path in all_modules().items()
               if all(w in path.read_text(encoding="utf-8") for w in words)]
     assert owners == ["tfpar.objective.step"]
+
+
+def test_the_registry_has_every_strategy_and_refuses_async_for_a_sync_step():
+    from tfpar.config import DistConfig
+    from tfpar.errors import ConfigError
+    from tfpar.parallel import ASYNCHRONOUS, STRATEGIES, build_strategy
+
+    assert set(STRATEGIES) == {"default", "one_device", "mirrored", "tower", "pipeline",
+                               "multi_worker", "parallel_do"}
+    assert set(ASYNCHRONOUS) == {"parameter_server"}
+    with pytest.raises(ConfigError, match=r"^parameter_server trains asynchronously: it has "
+                                          r"no synchronous step; use one of: default, "):
+        build_strategy(DistConfig(strategy="parameter_server"))
+    with pytest.raises(ConfigError, match=r"unknown strategy 'nope'; expected one of: .*"
+                                          r"parallel_do, parameter_server$"):
+        build_strategy(DistConfig(strategy="nope"))
