@@ -99,3 +99,60 @@ def placed_ops(graph_def, scope: str):
 
     return list(walk(graph_def.node, "", None))
 
+
+def make_lines(n, seed=0, max_words=20):
+    """``n`` sentences of 1 to ``max_words - 1`` words drawn from w0 .. w39."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [" ".join(f"w{int(x)}" for x in rng.integers(0, 40, size=rng.integers(1, max_words)))
+            for _ in range(n)]
+
+
+def max_diff(a, b):
+    """The largest absolute difference between two equally long lists of arrays."""
+    import numpy as np
+
+    assert len(a) == len(b)
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+def slots_of(optimizer):
+    """The optimizer's variables (step count, learning rate, momentum slots) as arrays."""
+    import numpy as np
+
+    return [np.asarray(v.numpy()) for v in optimizer.variables]
+
+
+def assert_clipped_and_unclipped(norms, clip):
+    """Some steps' gradient norms are above ``clip`` and some are not."""
+    clipped = sum(n > clip for n in norms)
+    assert 0 < clipped < len(norms), (norms, clip)
+
+
+def assert_same_training(got, ref, steps):
+    """Two verify RunResults: same gradient norms, weights and optimizer slots (SGD
+    momentum) after ``steps`` steps."""
+    import numpy as np
+
+    assert len(got.grad_norms) == steps
+    np.testing.assert_allclose(got.grad_norms, ref.grad_norms, rtol=1e-5)
+    assert max_diff(got.weights, ref.weights) <= 1e-5
+    assert len(ref.slots) == len(ref.weights) + 2  # iterations, learning rate, momenta
+    assert max_diff(got.slots, ref.slots) <= 1e-5
+
+
+def assert_replicas_placed(ops, devices):
+    """``placed_ops`` output: replica i's forward and gradient ops (with a MatMul and the
+    loss kernel among them) all on ``devices[i]``."""
+    for i, device in enumerate(devices):
+        mine = [(node, d) for node, d, r in ops
+                if r == i and not (node.op in UNPLACED and not node.device)]
+        backward = [node for node, _ in mine if node.name.startswith("gradient_tape/")]
+        assert len(mine) > 100 and len(backward) > 20, i
+        assert {d for _, d in mine} == {device}, i  # Forward and gradients.
+        kinds = {n.op for n, _ in mine}
+        # The loss kernel: TF's fused one, or its log-softmax form once an earlier run in
+        # this process has enabled op determinism (a process-wide TF setting).
+        assert "MatMul" in kinds and kinds & {"SparseSoftmaxCrossEntropyWithLogits",
+                                              "LogSoftmax"}, i

@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import UNPLACED, batch_of, placed_ops
+from conftest import assert_replicas_placed, batch_of, make_lines, max_diff, placed_ops, slots_of
 
 from tfpar.config import DataConfig, DistConfig, ModelConfig
 from tfpar.data.pipeline import InputData
@@ -33,12 +33,6 @@ LOW_CLIP = 0.01  # Below every gradient norm here (asserted): the step is clippe
 HIGH_CLIP = 100.0  # Above every gradient norm (asserted): factor 1, the step is not.
 # One clip norm per step, clipped and unclipped in turn.
 CLIPS = (LOW_CLIP, HIGH_CLIP, LOW_CLIP, HIGH_CLIP)
-
-
-def make_lines(n, seed, max_words=20):
-    rng = np.random.default_rng(seed)
-    return [" ".join(f"w{int(x)}" for x in rng.integers(0, 40, size=rng.integers(1, max_words)))
-            for _ in range(n)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,13 +89,8 @@ def trained(strategy, mode):
     eval_step = plugin.make_eval_step(model)
     evals = {size: evaluate(plugin, eval_step, data, "valid", size) for size in (BATCH, 3)}
     return dict(norms=norms, rows=rows, weights=model.get_weights(),
-                slots=[np.asarray(v.numpy()) for v in optimizer.variables],
+                slots=slots_of(optimizer),
                 evals=evals, final_state=state)
-
-
-def max_diff(a, b):
-    assert len(a) == len(b)
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("mode", ["sentence", "stream"])
@@ -161,15 +150,7 @@ def test_traced_step_runs_each_shard_on_its_device():
     step = plugin.make_train_step(model, optimizer, clip_norm=1.0)
     ops = placed_ops(step.function.get_concrete_function(SPEC).graph.as_graph_def(),
                      ParallelDo.replica_scope)
-    for i in range(3):
-        shard = [(node, device) for node, device, r in ops
-                 if r == i and not (node.op in UNPLACED and not node.device)]
-        backward = [node for node, _ in shard if node.name.startswith("gradient_tape/")]
-        assert len(shard) > 100 and len(backward) > 20
-        assert {device for _, device in shard} == {CPU[i]}  # Forward and gradients.
-        kinds = {n.op for n, _ in shard}
-        # The loss kernel: TF's fused one, or its log-softmax form under op determinism.
-        assert "MatMul" in kinds and kinds & {"SparseSoftmaxCrossEntropyWithLogits", "LogSoftmax"}
+    assert_replicas_placed(ops, CPU[:3])
     sums = [d for n, d, _ in ops if n.name.startswith("controller_reduce/")]
     assert sums and set(sums) == {CPU[3]}
     updates = [device for node, device, _ in ops if node.op in ASSIGNS]

@@ -11,10 +11,10 @@ import sys
 import keras
 import numpy as np
 import pytest
-from conftest import batch_of
 import tensorflow as tf
 
-from conftest import REPO
+from conftest import (REPO, assert_clipped_and_unclipped, assert_same_training, batch_of,
+                      make_lines, max_diff, slots_of)
 from tfpar.tools import cli
 from tfpar.config import DataConfig, DistConfig, ModelConfig
 from tfpar.errors import ConfigError, DeviceError
@@ -38,12 +38,6 @@ TWO = "embedding=/cpu:0,rnn=/cpu:1,softmax=/cpu:1"
 THREE = "embedding=/cpu:0,rnn_0=/cpu:1,rnn_1=/cpu:2,softmax=/cpu:2"
 
 
-def make_lines(n, seed=0, max_words=20):
-    rng = np.random.default_rng(seed)
-    return [" ".join(f"w{int(x)}" for x in rng.integers(0, 40, size=rng.integers(1, max_words)))
-            for _ in range(n)]
-
-
 @functools.lru_cache(maxsize=None)
 def setup(mode="sentence", model=MODEL):
     """Data, initial weights and run settings shared by every run of one mode."""
@@ -64,30 +58,6 @@ def run(stages="", micro_batches=1, mode="sentence", model=MODEL):
     return run_plugin(setup(mode, model), dist)
 
 
-def max_diff(a, b):
-    assert len(a) == len(b)
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
-
-
-def slots_of(optimizer):
-    """The optimizer's variables (step count, learning rate, momentum slots) as arrays."""
-    return [np.asarray(v.numpy()) for v in optimizer.variables]
-
-
-def assert_clipped_and_unclipped(norms, clip=CLIP):
-    clipped = sum(n > clip for n in norms)
-    assert 0 < clipped < len(norms), (norms, clip)
-
-
-def assert_same_training(got, ref):
-    """Same gradient norms, weights and optimizer slots (SGD momentum) as ``ref``."""
-    assert len(got.grad_norms) == STEPS
-    np.testing.assert_allclose(got.grad_norms, ref.grad_norms, rtol=1e-5)
-    assert max_diff(got.weights, ref.weights) <= 1e-5
-    assert len(ref.slots) == len(ref.weights) + 2  # iterations, learning rate, momenta
-    assert max_diff(got.slots, ref.slots) <= 1e-5
-
-
 # ----------------------------------------------------------------- equal to one device
 # Every M with 2 and 3 devices, in both modes, without the whole product (each run traces
 # S x M LSTM pieces and their gradients; the product took minutes on 2 cores).
@@ -98,8 +68,8 @@ def assert_same_training(got, ref):
         "M1-3dev-stream", "M2-2dev-stream", "M3-3dev-stream"])
 def test_pipeline_matches_default_with_clipping(micro_batches, stages, mode):
     ref, got = run(mode=mode), run(stages, micro_batches, mode)
-    assert_clipped_and_unclipped(ref.grad_norms)
-    assert_same_training(got, ref)
+    assert_clipped_and_unclipped(ref.grad_norms, CLIP)
+    assert_same_training(got, ref, STEPS)
     assert max_diff(got.weights, setup(mode).initial_weights) > 1e-3  # The weights moved.
     assert got.eval_count == ref.eval_count
     assert got.eval_nll == pytest.approx(ref.eval_nll, rel=1e-6)
@@ -110,9 +80,9 @@ def test_tied_embedding_split_from_its_softmax_matches_default():
     tied = ModelConfig(embed_dim=16, hidden_dim=16, layers=1, tie_embeddings=True)
     ref = run(model=tied)
     got = run("embedding=/cpu:0,rnn_0=/cpu:1,softmax=/cpu:2", 2, model=tied)
-    assert_clipped_and_unclipped(ref.grad_norms)
+    assert_clipped_and_unclipped(ref.grad_norms, CLIP)
     assert len(ref.weights) == 5  # One matrix for the embedding and the softmax.
-    assert_same_training(got, ref)
+    assert_same_training(got, ref, STEPS)
     assert got.eval_count == ref.eval_count
     assert got.eval_nll == pytest.approx(ref.eval_nll, rel=1e-6)
 

@@ -10,7 +10,8 @@ import sys
 import keras
 import numpy as np
 import pytest
-from conftest import UNPLACED, batch_of, placed_ops
+from conftest import (assert_clipped_and_unclipped, assert_replicas_placed, assert_same_training,
+                      batch_of, make_lines, max_diff, placed_ops, slots_of)
 import tensorflow as tf
 
 from tfpar.tools import cli
@@ -22,7 +23,7 @@ from tfpar.parallel import build_strategy
 from tfpar.parallel.tower import TowerPlugin, default_variable_device, ring_all_reduce
 from tfpar.training.schedule import EpochSchedule, base_learning_rate
 from tfpar.tools.verify import Setup, VerifySpec, run_plugin
-from tfpar.data.vocab import PAD_ID, Vocab
+from tfpar.data.vocab import Vocab
 
 MODEL = ModelConfig(embed_dim=16, hidden_dim=16)
 # Between the gradient norms of these runs (asserted): some steps are clipped, some not.
@@ -32,12 +33,6 @@ CLIP = 0.15
 BATCH = 10  # 10 rows: 3 towers get 4/3/3, 4 towers 3/3/2/2.
 STEPS = 3
 CPU = [f"/device:CPU:{i}" for i in range(4)]
-
-
-def make_lines(n, seed=0, max_words=20):
-    rng = np.random.default_rng(seed)
-    return [" ".join(f"w{int(x)}" for x in rng.integers(0, 40, size=rng.integers(1, max_words)))
-            for _ in range(n)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,30 +55,6 @@ def run(strategy="default", towers=1, reduce="controller", mode="sentence"):
     return run_plugin(setup(mode), dist)
 
 
-def max_diff(a, b):
-    assert len(a) == len(b)
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
-
-
-def slots_of(optimizer):
-    """The optimizer's variables (step count, learning rate, momentum slots) as arrays."""
-    return [np.asarray(v.numpy()) for v in optimizer.variables]
-
-
-def assert_clipped_and_unclipped(norms, clip=CLIP):
-    clipped = sum(n > clip for n in norms)
-    assert 0 < clipped < len(norms), (norms, clip)
-
-
-def assert_same_training(got, ref):
-    """Same gradient norms, weights and optimizer slots (SGD momentum) as ``ref``."""
-    assert len(got.grad_norms) == STEPS
-    np.testing.assert_allclose(got.grad_norms, ref.grad_norms, rtol=1e-5)
-    assert max_diff(got.weights, ref.weights) <= 1e-5
-    assert len(ref.slots) == len(ref.weights) + 2  # iterations, learning rate, momenta
-    assert max_diff(got.slots, ref.slots) <= 1e-5
-
-
 # ----------------------------------------------------------------- equal to one device
 @pytest.mark.parametrize("towers,reduce", [
     (1, "controller"), (2, "controller"), (3, "controller"), (4, "controller"),
@@ -91,8 +62,8 @@ def assert_same_training(got, ref):
 ])
 def test_tower_matches_default_with_clipping(towers, reduce):
     ref, got = run(), run("tower", towers, reduce)
-    assert_clipped_and_unclipped(ref.grad_norms)
-    assert_same_training(got, ref)
+    assert_clipped_and_unclipped(ref.grad_norms, CLIP)
+    assert_same_training(got, ref, STEPS)
     assert max_diff(got.weights, setup().initial_weights) > 1e-3  # The weights did move.
     assert got.eval_count == ref.eval_count
     assert got.eval_nll == pytest.approx(ref.eval_nll, rel=1e-6)
@@ -107,8 +78,8 @@ def test_ring_and_controller_give_the_same_update(towers):
 
 def test_tower_stream_mode_carries_state_like_default():
     ref, got = run(mode="stream"), run("tower", 3, "ring", mode="stream")
-    assert_clipped_and_unclipped(ref.grad_norms)
-    assert_same_training(got, ref)
+    assert_clipped_and_unclipped(ref.grad_norms, CLIP)
+    assert_same_training(got, ref, STEPS)
     assert got.eval_count == ref.eval_count
     assert got.eval_nll == pytest.approx(ref.eval_nll, rel=1e-6)
 
@@ -208,17 +179,7 @@ def test_traced_step_places_towers_and_updates(reduce):
     for v in model.trainable_variables:
         assert v.value.device.endswith("CPU:3")
     ops = placed_ops(step.function.get_concrete_function(SPEC).graph.as_graph_def(), "tower")
-
-    for i in range(3):
-        tower = [(node, device) for node, device, t in ops
-                 if t == i and not (node.op in UNPLACED and not node.device)]
-        backward = [node for node, _ in tower if node.name.startswith("gradient_tape/")]
-        assert len(tower) > 100 and len(backward) > 20
-        assert {device for _, device in tower} == {CPU[i]}  # Forward and gradients.
-        kinds = {n.op for n, _ in tower}
-        # The loss kernel: TF's fused one, or its log-softmax form once an earlier run in
-        # this process has enabled op determinism (a process-wide TF setting).
-        assert "MatMul" in kinds and kinds & {"SparseSoftmaxCrossEntropyWithLogits", "LogSoftmax"}
+    assert_replicas_placed(ops, CPU[:3])
 
     updates = [device for node, device, _ in ops if node.op in ASSIGNS]
     assert len(updates) >= len(model.trainable_variables)

@@ -62,6 +62,13 @@ def canonical(name: str) -> str:
     return name.strip()
 
 
+def same_device(a: str, b: str) -> bool:
+    """Whether two device names (any spelling, any job prefix) are the same device type
+    and index: '/cpu:1' and '/job:localhost/replica:0/task:0/device:CPU:1' are."""
+    x, y = tf.DeviceSpec.from_string(canonical(a)), tf.DeviceSpec.from_string(canonical(b))
+    return (x.device_type, x.device_index) == (y.device_type, y.device_index)
+
+
 def available_devices() -> list[str]:
     """Short names of every logical device, e.g. ['/cpu:0', '/cpu:1', '/gpu:0']."""
     names = []

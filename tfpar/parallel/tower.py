@@ -80,7 +80,9 @@ class TowerPlugin(ParallelDo):
                 vectors.append(tf.concat(
                     [tf.reshape(g, [size]) for g, size in zip(grads, sizes)], axis=0))
         reduced = ring_all_reduce(vectors, self.devices)
-        source = _same_device_index(self.variable_device, self.devices)
+        # The variable device takes the copy of the tower it shares a device with.
+        source = next((i for i, d in enumerate(self.devices)
+                       if devices_lib.same_device(d, self.variable_device)), 0)
         with tf.device(self.variable_device), tf.name_scope("ring_result"):
             parts = tf.split(reduced[source], sizes)
             return [tf.reshape(p, s) for p, s in zip(parts, shapes)]
@@ -127,16 +129,6 @@ def ring_all_reduce(vectors: list[tf.Tensor], device_names: list[str]) -> list[t
         with tf.device(device), tf.name_scope(f"ring_concat_{i}"):
             out.append(tf.concat(chunks[i], axis=0))
     return out
-
-
-def _same_device_index(device: str, device_names: list[str]) -> int:
-    """Index of the tower on ``device``, or 0 when the variables live elsewhere."""
-    spec = tf.DeviceSpec.from_string(device)
-    for i, name in enumerate(device_names):
-        other = tf.DeviceSpec.from_string(name)
-        if (spec.device_type, spec.device_index) == (other.device_type, other.device_index):
-            return i
-    return 0
 
 
 def default_variable_device(tower_devices: list[str]) -> str:

@@ -297,12 +297,14 @@ def multi_worker_task(work: str) -> None:
         stored = json.load(f)
     fields = stored["spec"]
     fields["strategies"] = tuple(tuple(s) for s in fields["strategies"])
+    # The parent's clip norm: build_setup then skips measuring the gradient norms again.
+    fields["clip_norm"] = stored["clip_norm"]
     # The strategy before any TF op (see build_multi_worker); run_plugin gets the same one.
     plugin = build_strategy(DistConfig(strategy="multi_worker"))
     setup = build_setup(VerifySpec(**fields))
     with np.load(os.path.join(work, "weights.npz")) as w:
         weights = [w[f"arr_{i}"] for i in range(len(w.files))]
-    setup = dataclasses.replace(setup, initial_weights=weights, clip_norm=stored["clip_norm"])
+    setup = dataclasses.replace(setup, initial_weights=weights)
     result = run_plugin(setup, DistConfig(strategy="multi_worker"))
     if plugin.is_chief:
         np.savez(os.path.join(work, "result.npz"), eval_nll=result.eval_nll,

@@ -29,11 +29,13 @@ class Record:
     def tokens_per_sec(self) -> float:
         return self.count / max(self.seconds, 1e-9)
 
+    def reaches(self, every: int) -> bool:
+        """Whether a multiple of ``every`` (> 0) lies in (step - steps, step]."""
+        return bool(every) and self.step // every > (self.step - self.steps) // every
+
     def crossed(self, every: int) -> bool:
-        """Whether a multiple of ``every`` lies in (step - steps, step], or this is the
-        first record."""
-        first = self.step - self.steps
-        return first == 0 or (bool(every) and self.step // every > first // every)
+        """:meth:`reaches`, or this is the first record."""
+        return self.step == self.steps or self.reaches(every)
 
 
 class SummaryHook:
@@ -58,7 +60,7 @@ class CheckpointHook:
         self.checkpointer, self.every = checkpointer, every
 
     def __call__(self, r: Record) -> None:
-        if self.every and r.step // self.every > (r.step - r.steps) // self.every:
+        if r.reaches(self.every):
             self.checkpointer.save(r.step)
 
 

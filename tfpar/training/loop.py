@@ -126,7 +126,7 @@ class Loop:
         finite = []
         for out in outputs:
             nll, count, norm = float(out.nll_sum), float(out.count), float(out.grad_norm)
-            if math.isfinite(nll) and math.isfinite(norm):
+            if is_finite(out):
                 finite.append((nll, count, norm))
             else:
                 self.non_finite(step, nll, norm)

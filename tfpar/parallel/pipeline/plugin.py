@@ -62,6 +62,7 @@ from tfpar.objective import losses, step
 from tfpar.config import DistConfig
 from tfpar.data.pipeline import shard_bounds, shard_rows, state_rows
 from tfpar.model.lm import EMBEDDING, SOFTMAX, rnn_name
+from tfpar.parallel import devices as devices_lib
 from tfpar.parallel.base import StrategyPlugin
 from tfpar.parallel.pipeline.stages import (RNN_PART, Placement, Stage, part_of_path,
                                             placement_from_config)
@@ -165,7 +166,7 @@ class PipelinePlugin(StrategyPlugin):
             for v in model.variables:
                 part = part_of_path(v.path)
                 want = self.placement.device_of(part) if part else None
-                if want and not _same_device(v.value.device, want):
+                if want and not devices_lib.same_device(v.value.device, want):
                     log.warning("weight %s lives on %s, not on its stage's %s (created "
                                 "outside the plug-in's scope?): read across devices",
                                 v.path, v.value.device, want)
@@ -415,11 +416,6 @@ def _sum(grads: list):
             sparse[0].dense_shape))
         return tf.add_n([merged] + dense) if dense else merged
     return tf.add_n(grads) if len(grads) > 1 else grads[0]
-
-
-def _same_device(a: str, b: str) -> bool:
-    x, y = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
-    return (x.device_type, x.device_index) == (y.device_type, y.device_index)
 
 
 def build_pipeline(dist: DistConfig) -> PipelinePlugin:
