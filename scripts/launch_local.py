@@ -19,7 +19,10 @@ task fails every other one is stopped and the exit status is non-zero; with
 --restarts K the whole job is started again, up to K times, and resumes from the
 checkpoints in --model-dir (chosen here when not given, so every task and restart
 shares it; --checkpoint-every N bounds the steps a failure loses). A task exiting with
-status 2 (a usage error) is not restarted.
+status 2 (a usage error) is not restarted. A parameter_server worker that fails is
+started again alone, on its port (--worker-restarts times at most): the chief's
+coordinator re-schedules the steps it lost and uses it again once it is back, so the
+job goes on without a restart.
 
 On a real cluster, run the same ``scripts/train.py`` flags on every machine with
 TF_CONFIG set by you (or your scheduler), e.g. for the second of two workers::
@@ -56,6 +59,9 @@ def parser() -> argparse.ArgumentParser:
                    help="parameter_server: ps tasks holding the variables (default: 1)")
     p.add_argument("--restarts", type=int, default=0,
                    help="restart the whole job up to K times after a failure (default: 0)")
+    p.add_argument("--worker-restarts", type=int, default=3,
+                   help="parameter_server: start a failed worker again alone, up to K times "
+                        "per job, while the others go on (default: 3)")
     p.add_argument("--ports", default="",
                    help="comma-separated loopback ports, one per task in the order chief, "
                         "workers, ps (default: free ports picked for every attempt)")
@@ -76,8 +82,10 @@ def main(argv=None) -> int:
     from tfpar.tools.cli import run_main
 
     def body():
-        if args.restarts < 0:
-            raise ClusterError(f"--restarts must be >= 0, got {args.restarts}")
+        for flag in ("restarts", "worker_restarts"):
+            if getattr(args, flag) < 0:
+                raise ClusterError(f"--{flag.replace('_', '-')} must be >= 0, "
+                                   f"got {getattr(args, flag)}")
         strategy, flags = train_args_for_cluster(train_args)
         ps = args.ps if args.ps is not None else (1 if strategy == "parameter_server" else 0)
         try:
@@ -96,7 +104,8 @@ def main(argv=None) -> int:
         env = dict(os.environ)
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         status = run_job(plan, train_command(str(REPO / "scripts" / "train.py"), flags),
-                         restarts=args.restarts, env=env)
+                         restarts=args.restarts, env=env,
+                         task_restarts=args.worker_restarts)
         if status:
             print(f"error: the {strategy} job failed (status {status}); see the log above",
                   file=sys.stderr)

@@ -231,3 +231,27 @@ def test_servers_are_stopped_when_the_chief_finishes():
     plan = plan_job("parameter_server", workers=1, ps=1)
     assert run_job(lambda: plan, python_tasks(scripts), out=out) == 0
     assert "[chief 0] done" in out.getvalue()
+
+
+def test_a_lost_parameter_server_worker_is_started_again_alone(tmp_path):
+    marker, back = tmp_path / "failed-once", tmp_path / "back"
+    worker = (f"import os, time\nif not os.path.exists({str(marker)!r}):\n"
+              f"    open({str(marker)!r}, 'w').close(); raise SystemExit(1)\n"
+              f"open({str(back)!r}, 'w').close(); time.sleep(600)")
+    chief = (f"import os, time\nwhile not os.path.exists({str(back)!r}): time.sleep(0.01)\n"
+             "print('done')")
+    scripts = {"chief 0": chief, "worker 0": worker, "ps 0": "import time; time.sleep(600)"}
+    plan = plan_job("parameter_server", workers=1, ps=1)
+    out = io.StringIO()
+    assert run_job(lambda: plan, python_tasks(scripts), out=out) == 0
+    log = out.getvalue()
+    assert ("[launch] worker 0 exited with status 1; starting it again alone (restart 1 of 3)"
+            in log)
+    assert log.count("[launch] started worker 0") == 2 and "[chief 0] done" in log
+    assert "restarting the whole job" not in log
+
+    marker.unlink()
+    back.unlink()
+    out = io.StringIO()  # without restarts for a single task, its loss ends the job
+    assert run_job(lambda: plan, python_tasks(scripts), out=out, task_restarts=0) == 1
+    assert "[launch] worker 0 exited with status 1; stopping the job" in out.getvalue()

@@ -1,5 +1,7 @@
-"""scripts/launch_local.py: usage errors, and a real 2-worker multi_worker job that
-survives a SIGKILLed worker (restart, resume from the last checkpoint, same steps)."""
+"""scripts/launch_local.py: usage errors, and real clusters that survive SIGKILLed tasks:
+a multi_worker worker (job restart, resume from the last checkpoint, same steps), a
+parameter_server worker (started again alone, its steps re-scheduled), ps task and chief
+(job restart and resume)."""
 
 import json
 import os
@@ -37,6 +39,8 @@ def load_launcher():
      "error: --ports '7,x' must be comma-separated integers, one per task"),
     (["--workers", "1", "--restarts", "-1", "--", "--strategy", "multi_worker"],
      "error: --restarts must be >= 0, got -1"),
+    (["--workers", "1", "--worker-restarts", "-2", "--", "--strategy", "parameter_server"],
+     "error: --worker-restarts must be >= 0, got -2"),
 ])
 def test_usage_errors_start_nothing(argv, message, capsys):
     assert load_launcher().main(argv) == 2
@@ -79,38 +83,85 @@ def wait_for(condition, what: str, timeout: float):
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-@pytest.mark.cluster
-def test_a_killed_worker_is_restarted_and_the_run_completes(tmp_path):
-    max_steps, every = 20, 5
-    args = ["--workers", "2", "--restarts", "1", "--",
-            "--strategy", "multi_worker", "--max-steps", str(max_steps),
+class Launched:
+    """A launch_local.py job running in the background, its output collected."""
+
+    def __init__(self, tmp_path, launcher_args, train_args):
+        self.proc = subprocess.Popen([sys.executable, LAUNCH, *launcher_args, "--", *train_args],
+                                     cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout),
+                                       daemon=True)
+        self.reader.start()
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def pid(self, task: str) -> int:
+        """The pid of ``task`` (e.g. "worker 1") as last started."""
+        pattern = re.compile(rf"\[launch\] started {task} \(pid (\d+)\)")
+        return int(wait_for(lambda: ([m.group(1) for m in map(pattern.match, list(self.lines))
+                                      if m] or [None])[-1], f"{task} to start", 120))
+
+    def kill(self, task: str) -> None:
+        os.kill(self.pid(task), signal.SIGKILL)
+
+    def finish(self, timeout=600) -> int:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.reader.join(timeout=10)
+        return self.proc.returncode
+
+
+def small_run(tmp_path, strategy, max_steps, every, *extra):
+    return ["--strategy", strategy, "--max-steps", str(max_steps),
             "--checkpoint-every", str(every), "--synthetic-sentences", "1000,50,50",
             "--embed-dim", "16", "--hidden-dim", "16", "--batch-size", "16",
             "--eval-batch-size", "100", "--no-progress", "--no-export",
-            "--model-dir", str(tmp_path / "run"), "--metrics-json", str(tmp_path / "m.json")]
-    proc = subprocess.Popen([sys.executable, LAUNCH, *args], cwd=tmp_path, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    try:
-        pid = int(wait_for(lambda: next((m.group(1) for m in map(
-            re.compile(r"\[launch\] started worker 1 \(pid (\d+)\)").match, list(lines)) if m),
-            None), "worker 1 to start", 120))
-        state = tmp_path / "run" / "checkpoints" / "checkpoint"
-        wait_for(state.exists, "the first checkpoint", 300)
-        os.kill(pid, signal.SIGKILL)  # mid-epoch: 1000 sentences are ~63 steps of 16
-        proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    reader.join(timeout=10)
-    log = "".join(lines)
-    assert proc.returncode == 0, log[-4000:]
+            "--model-dir", str(tmp_path / "run"), "--metrics-json", str(tmp_path / "m.json"),
+            *extra]
+
+
+def checkpoint(tmp_path, step):
+    return (tmp_path / "run" / "checkpoints" / f"ckpt-{step}.index").exists
+
+
+def latest_step(tmp_path) -> int:
+    steps = [int(p.name[len("ckpt-"):-len(".index")])
+             for p in (tmp_path / "run" / "checkpoints").glob("ckpt-*.index")]
+    return max(steps, default=0)
+
+
+def resumed_steps(log: str) -> list[int]:
+    return [int(s) for s in re.findall(r"\[(?:worker|chief) 0\] .*resumed from .* \(step (\d+)\)",
+                                       log)]
+
+
+def iterations(tmp_path) -> int:
+    import tensorflow as tf
+
+    reader = tf.train.load_checkpoint(str(tmp_path / "run" / "checkpoints"))
+    return int(reader.get_tensor("optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"))
+
+
+@pytest.mark.cluster
+def test_a_killed_worker_is_restarted_and_the_run_completes(tmp_path):
+    max_steps, every = 20, 5
+    job = Launched(tmp_path, ["--workers", "2", "--restarts", "1"],
+                   small_run(tmp_path, "multi_worker", max_steps, every))
+    wait_for(checkpoint(tmp_path, every), "the first checkpoint", 300)
+    job.kill("worker 1")  # mid-epoch: 1000 sentences are ~63 steps of 16
+    assert job.finish() == 0, job.log[-4000:]
+    log = job.log
     assert "[launch] worker 1 was killed by SIGKILL; stopping the job" in log
     assert "[launch] restarting the whole job (restart 1 of 1)" in log
-    resumed = [int(s) for s in re.findall(r"\[worker 0\] .*resumed from .* \(step (\d+)\)", log)]
+    resumed = resumed_steps(log)
     assert resumed and 0 < resumed[0] < max_steps and resumed[0] % every == 0
     m = json.loads((tmp_path / "m.json").read_text())
     # The same steps as an uninterrupted run, on 2 workers. (That multi_worker learns what
@@ -118,3 +169,59 @@ def test_a_killed_worker_is_restarted_and_the_run_completes(tmp_path):
     assert (m["strategy"], m["workers"], m["replicas"], m["steps"]) == \
         ("multi_worker", 2, 2, max_steps)
     assert m["valid_ppl"] < 1541  # the vocabulary size: an untrained model's perplexity
+
+
+@pytest.mark.cluster
+def test_parameter_server_survives_a_lost_worker_then_a_lost_ps(tmp_path):
+    """A worker SIGKILLed mid-run is started again alone and the coordinator re-schedules
+    its steps (no job restart); later the ps task is SIGKILLed: the whole job restarts
+    and resumes from the last checkpoint. Both end with the requested steps."""
+    # Long enough (~20 s of steps) for the lost worker to be back well before the end.
+    max_steps, every = 900, 50
+    job = Launched(tmp_path, ["--workers", "2", "--ps", "1", "--restarts", "1"],
+                   small_run(tmp_path, "parameter_server", max_steps, every, "--epochs", "20",
+                             "--embed-dim", "32", "--hidden-dim", "64"))
+    wait_for(checkpoint(tmp_path, every), "the first checkpoint", 300)
+    job.kill("worker 1")
+    # TF's coordinator reports the lost worker, puts its step back and uses it again.
+    wait_for(lambda: "coordinator: Worker /job:worker/replica:0/task:1 has been recovered."
+             in job.log, "the coordinator to take worker 1 back", 300)
+    for line in ("coordinator: Worker /job:worker/replica:0/task:1 failed with",
+                 "coordinator: [Worker 1] Putting back a closure after it failed."):
+        assert line in job.log
+    assert ("[launch] worker 1 was killed by SIGKILL; starting it again alone "
+            "(restart 1 of 3); the coordinator re-schedules its steps") in job.log
+    assert "restarting the whole job" not in job.log  # the worker's loss did not stop it
+    saved = latest_step(tmp_path)
+    wait_for(lambda: latest_step(tmp_path) > saved, "a checkpoint after the recovery", 300)
+    job.kill("ps 0")
+    assert job.finish() == 0, job.log[-4000:]
+    log = job.log
+    assert "[launch] ps 0 was killed by SIGKILL; stopping the job" in log
+    assert "[launch] restarting the whole job (restart 1 of 1)" in log
+    resumed = resumed_steps(log)
+    assert resumed and saved < resumed[0] < max_steps, resumed
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert (m["strategy"], m["workers"], m["steps"]) == ("parameter_server", 2, max_steps)
+    # Applied updates, counted atomically on the ps: every scheduled step; an update the
+    # lost worker applied just before it died may be applied again by the re-run step.
+    assert max_steps <= iterations(tmp_path) <= max_steps + 1
+
+
+@pytest.mark.cluster
+def test_parameter_server_chief_killed_the_restart_resumes(tmp_path):
+    max_steps, every = 60, 20
+    job = Launched(tmp_path, ["--workers", "1", "--ps", "1", "--restarts", "1"],
+                   small_run(tmp_path, "parameter_server", max_steps, every))
+    wait_for(checkpoint(tmp_path, every), "the first checkpoint", 300)
+    job.kill("chief 0")
+    assert job.finish() == 0, job.log[-4000:]
+    log = job.log
+    assert "[launch] chief 0 was killed by SIGKILL; stopping the job" in log
+    assert "[launch] restarting the whole job (restart 1 of 1)" in log
+    assert "taking over the stale lock" in log  # the killed chief could not release it
+    resumed = resumed_steps(log)
+    assert resumed and every <= resumed[0] < max_steps, resumed
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert (m["strategy"], m["steps"]) == ("parameter_server", max_steps)
+    assert iterations(tmp_path) == max_steps

@@ -82,6 +82,39 @@ class CheckpointedShards(ShardedVariable):
         return self.assign(restored_tensors["VARIABLE_VALUE"])
 
 
+class FailureReports(logging.Filter):
+    """Brings TF's coordinator's own worker-failure and recovery lines into tfpar's log.
+
+    ``ClusterCoordinator`` handles a lost worker itself - it puts the steps that worker
+    was running back in the queue, keeps the other workers busy and, once the worker
+    answers again, re-creates its datasets and uses it - but says so only at INFO level
+    on TF's logger, which tfpar's console keeps at ERROR. This filter, on that logger,
+    re-logs those lines as tfpar warnings and lets every other record through only if
+    it reaches the level the logger had.
+    """
+
+    KEEP = ("Worker ", "[Worker ", "Parameter server failure", "Cluster ")
+
+    def __init__(self, level: int):
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.module == "cluster_coordinator":
+            message = record.getMessage()
+            if message.startswith(self.KEEP):
+                log.warning("coordinator: %s", message.splitlines()[0][:300])
+                return False
+        return record.levelno >= self.level
+
+    @classmethod
+    def install(cls) -> None:
+        logger = logging.getLogger("tensorflow")
+        if not any(isinstance(f, cls) for f in logger.filters):
+            logger.addFilter(cls(logger.getEffectiveLevel()))
+            logger.setLevel(min(logger.getEffectiveLevel(), logging.INFO))
+
+
 class TablePartitioner(tf.distribute.experimental.partitioners.Partitioner):
     """``MinSizePartitioner`` for tables (rank 1, or rows >= columns); matrices stay whole."""
 
@@ -344,5 +377,6 @@ def build_coordinator(dist: DistConfig) -> Coordinator:
     strategy = tf.distribute.ParameterServerStrategy(
         tf.distribute.cluster_resolver.TFConfigClusterResolver(),
         variable_partitioner=partitioner)
+    FailureReports.install()
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     return Coordinator(strategy, coordinator, config)

@@ -34,6 +34,11 @@ class Task:
     # Whether the job is done only when this task has exited 0; False for servers
     # (parameter-server workers and ps tasks), which run until they are stopped.
     finishes: bool = True
+    # Whether a failure of this task alone is repaired by starting it again, the job
+    # going on: parameter-server workers hold no state (the ps tasks hold the variables,
+    # the chief the loop), and TF's ClusterCoordinator re-schedules the steps a lost
+    # worker was running and uses the worker again once it is back.
+    restartable: bool = False
 
     @property
     def name(self) -> str:
@@ -85,7 +90,8 @@ def plan_job(strategy: str, *, workers: int, ps: int = 0,
             raise ClusterError(f"--strategy parameter_server needs --ps >= 1 (tasks that hold "
                                f"the variables), got {ps}")
         tasks = ((Task("chief", 0),)
-                 + tuple(Task("worker", i, finishes=False) for i in range(workers))
+                 + tuple(Task("worker", i, finishes=False, restartable=True)
+                         for i in range(workers))
                  + tuple(Task("ps", i, finishes=False) for i in range(ps)))
     if ports:
         if len(ports) != len(tasks):
@@ -132,13 +138,17 @@ class LocalJob:
     line by line to ``out`` with a ``[worker 1] `` prefix. The job ends when every
     finishing task has exited 0 (servers are then stopped) or when any task fails (or a
     server exits early): then every other task is stopped (SIGTERM, then SIGKILL after
-    ``grace`` seconds).
+    ``grace`` seconds). A restartable task (a parameter-server worker) that fails is
+    started again alone, on its address, up to ``task_restarts`` times per job; only
+    then does its failure end the job.
     """
 
     def __init__(self, plan: JobPlan, command: Callable[[Task], list[str]], *,
                  out: TextIO | None = None, env: Mapping[str, str] | None = None,
-                 grace: float = 10.0):
+                 grace: float = 10.0, task_restarts: int = 3):
         self.plan, self.command, self.grace = plan, command, grace
+        self.task_restarts = task_restarts
+        self.restarted: dict[Task, int] = {}
         self.out = out if out is not None else sys.stdout
         self.env = dict(os.environ if env is None else env)
         self.processes: dict[Task, subprocess.Popen] = {}
@@ -153,15 +163,18 @@ class LocalJob:
 
     def start(self) -> None:
         for task in self.plan.tasks:
-            env = dict(self.env, TF_CONFIG=self.plan.tf_config(task), PYTHONUNBUFFERED="1")
-            proc = subprocess.Popen(self.command(task), env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            self.processes[task] = proc
-            self.emit(f"[launch] started {task.name} (pid {proc.pid}) at "
-                      f"{self.plan.cluster[task.type][task.index]}")
-            thread = threading.Thread(target=self._pump, args=(task, proc), daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            self._spawn(task)
+
+    def _spawn(self, task: Task) -> None:
+        env = dict(self.env, TF_CONFIG=self.plan.tf_config(task), PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(self.command(task), env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.processes[task] = proc
+        self.emit(f"[launch] started {task.name} (pid {proc.pid}) at "
+                  f"{self.plan.cluster[task.type][task.index]}")
+        thread = threading.Thread(target=self._pump, args=(task, proc), daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
     def _pump(self, task: Task, proc: subprocess.Popen) -> None:
         """Streams one child's output, then reports its exit status."""
@@ -178,6 +191,14 @@ class LocalJob:
                 task, status = self._events.get()
                 if status != 0 or not task.finishes:
                     what = describe_status(status) if status else "exited before the job finished"
+                    done = self.restarted.get(task, 0)
+                    if task.restartable and done < self.task_restarts and status != 2:
+                        self.restarted[task] = done + 1
+                        self.emit(f"[launch] {task.name} {what}; starting it again alone "
+                                  f"(restart {done + 1} of {self.task_restarts}); the "
+                                  "coordinator re-schedules its steps")
+                        self._spawn(task)
+                        continue
                     self.emit(f"[launch] {task.name} {what}; stopping the job")
                     return Outcome(status if status else 1)
                 pending.discard(task)
@@ -202,8 +223,11 @@ class LocalJob:
 
 def run_job(make_plan: Callable[[], JobPlan], command: Callable[[Task], list[str]], *,
             restarts: int = 0, out: TextIO | None = None,
-            env: Mapping[str, str] | None = None) -> int:
+            env: Mapping[str, str] | None = None, task_restarts: int = 3) -> int:
     """Runs a local job, restarting all of it up to ``restarts`` times after a failure.
+
+    A restartable task (a parameter-server worker) is first started again alone, up to
+    ``task_restarts`` times per attempt (see :class:`LocalJob`).
 
     ``make_plan`` is called for every attempt, so a restart gets fresh free ports (the
     old ones may still be closing). A task that exits with status 2 (a usage error) ends
@@ -213,7 +237,7 @@ def run_job(make_plan: Callable[[], JobPlan], command: Callable[[Task], list[str
       0 on success, else the failed task's status (1 for a signal or an early server exit).
     """
     for attempt in range(restarts + 1):
-        job = LocalJob(make_plan(), command, out=out, env=env)
+        job = LocalJob(make_plan(), command, out=out, env=env, task_restarts=task_restarts)
         if attempt:
             job.emit(f"[launch] restarting the whole job (restart {attempt} of {restarts})")
         try:
