@@ -21,6 +21,7 @@ saved before them) must equal, bit for bit, a ``--max-steps 1`` run's.
 """
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -37,6 +38,7 @@ from conftest import REPO, batch_of
 from tfpar.config import Config, DataConfig, DistConfig, ModelConfig, RunConfig, TrainConfig
 from tfpar.data.pipeline import InputData, per_replica
 from tfpar.data.vocab import EOS_ID, Vocab
+from tfpar.errors import TrainingError
 from tfpar.model.lm import build_model
 from tfpar.parallel import build_strategy
 from tfpar.parallel import parameter_server as ps
@@ -263,7 +265,8 @@ def stream_setup(tmp_path):
     data = InputData({"train": lines, "valid": lines[:4], "test": lines[:4]}, vocab,
                      config.data, seed=0)
     plugin = build_strategy(DistConfig())
-    state = build_train_state(plugin.scope(), MODEL, len(vocab), seed=0, make_optimizer=adam)
+    state = build_train_state(plugin.scope(), MODEL, len(vocab), seed=0, make_optimizer=adam,
+                              fixed_shapes=True, carry_rows=4)
     emb = named_weights(state.model)["embedding:embeddings"]
     value = emb.numpy()
     value[vocab.tokens.index("zz")] = np.nan
@@ -287,6 +290,25 @@ def test_stream_mode_skip_drops_only_the_bad_window(tmp_path):
     assert loop.progress.skipped == 1
     assert state.step == windows - 1
     assert int(state.batch_in_epoch.numpy()) == windows
+
+
+def test_stream_mode_stop_checkpoints_the_position_and_state_of_the_bad_window(tmp_path):
+    """--on-nan stop in stream mode: the checkpoint records the bad window's position and
+    the (finite, non-zero) state it started from, so a resumed run retries that window
+    exactly; not the NaN state it ended in, nor zeros."""
+    loop, state, windows = stream_setup(tmp_path)
+    loop.config = dataclasses.replace(
+        loop.config, train=dataclasses.replace(loop.config.train, on_nan="stop"))
+    with pytest.raises(TrainingError, match="the update was not applied"):
+        loop.train_epoch(0, 0)
+    bad = state.step  # windows 0 .. bad-1 were applied
+    assert 0 < bad < windows - 1
+    reader = tf.train.load_checkpoint(os.path.join(str(tmp_path), "checkpoints"))
+    assert int(reader.get_tensor("batch_in_epoch/.ATTRIBUTES/VARIABLE_VALUE")) == bad
+    carry = [reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
+             if k.startswith("carry/")]
+    assert carry and all(np.isfinite(c).all() for c in carry)
+    assert any(np.abs(c).max() > 0 for c in carry)
 
 
 def test_sampling_a_diverged_model_ends_rows_instead_of_failing():
@@ -381,6 +403,12 @@ def test_on_nan_stop_exits_with_one_line_and_the_last_good_weights(corpus, refer
                            "the weights of step 1 are checkpointed in ")
     assert [line for line in err.splitlines() if line.startswith("error:")] == [last]
     check_checkpoint_is_step_1(tmp_path / "run", reference)
+    assert batch_in_epoch(tmp_path / "run") == 1  # a resumed run tries the bad batch again
+
+
+def batch_in_epoch(model_dir) -> int:
+    reader = tf.train.load_checkpoint(os.path.join(str(model_dir), "checkpoints"))
+    return int(reader.get_tensor("batch_in_epoch/.ATTRIBUTES/VARIABLE_VALUE"))
 
 
 def test_skip_gives_up_after_nan_patience_batches(corpus, reference, tmp_path, capsys):
@@ -399,6 +427,7 @@ def test_skip_gives_up_after_nan_patience_batches(corpus, reference, tmp_path, c
                            "checkpointed in ")
     assert [line for line in err.splitlines() if line.startswith("error:")] == [last]
     check_checkpoint_is_step_1(tmp_path / "run", reference)
+    assert batch_in_epoch(tmp_path / "run") == 1  # from the first of the three bad batches
 
 
 def test_on_nan_skip_goes_on_to_the_end(corpus, reference, tmp_path, capsys):

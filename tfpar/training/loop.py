@@ -61,6 +61,8 @@ class Loop:
         self.progress = Progress()
         self.bad_in_a_row = 0  # non-finite batches since the last finite one
         self.carrying = None  # stream mode: the state the next window starts from
+        self.carried_in = None  # and the state the last window started from
+        self.first_bad = (0, None)  # position and state of the first of bad_in_a_row
         checkpointer.before_save = self.store_carry
         self.stop_signal = StopSignal()
         self.bar = ProgressHook() if config.run.progress else None
@@ -107,6 +109,7 @@ class Loop:
         start = time.perf_counter()
         for out in run_steps(train_step, batches, stream=stream, initial_state=initial):
             now = time.perf_counter()
+            self.carried_in = self.carrying  # the state this window started from
             self.carrying = out.state if stream else None
             self.record([out], now - start)
             start = now
@@ -121,15 +124,16 @@ class Loop:
     def record(self, outputs: list, seconds: float) -> None:
         """The one place finished steps go: non-finite ones are reported (``--on-nan``),
         the rest are counted and handed to every hook."""
+        position = int(self.state.batch_in_epoch.numpy())
         self.state.batch_in_epoch.assign_add(len(outputs))
         step = self.step
         finite = []
-        for out in outputs:
+        for i, out in enumerate(outputs):
             nll, count, norm = float(out.nll_sum), float(out.count), float(out.grad_norm)
             if is_finite(out):
                 finite.append((nll, count, norm))
             else:
-                self.non_finite(step, nll, norm)
+                self.non_finite(step, nll, norm, position + i)
         if finite:
             self.bad_in_a_row = 0
             r = Record(step=step, steps=len(outputs), nll=sum(f[0] for f in finite),
@@ -158,6 +162,13 @@ class Loop:
         self.carrying = None  # the next epoch starts from zeros
         self.checkpointer.save(self.step)
 
+    def rewind_to_first_bad(self) -> None:
+        """Sets the input position (and carried state) back to the first batch of the
+        current run of non-finite ones: what the give-up checkpoint records."""
+        position, carried_in = self.first_bad
+        self.state.batch_in_epoch.assign(position)
+        self.carrying = carried_in
+
     def check_stop_signal(self) -> None:
         if self.stop_signal.received:
             self.checkpointer.save(self.step)
@@ -166,13 +177,21 @@ class Loop:
                 f"saved in {self.checkpointer.directory}; run the same command again to resume"
             )
 
-    def non_finite(self, step: int, nll: float, norm: float) -> None:
-        """A batch gave a non-finite loss or gradient; its update was not applied (the
-        one step's finite guard), so the weights are still the last good ones."""
+    def non_finite(self, step: int, nll: float, norm: float, position: int) -> None:
+        """A batch (the ``position``-th of its epoch) gave a non-finite loss or gradient;
+        its update was not applied (the one step's finite guard), so the weights are
+        still the last good ones. Giving up (``stop``, or ``--nan-patience`` bad batches
+        in a row) checkpoints them with the input position of the first bad batch (and,
+        in stream mode, the state it started from), so a resumed run, say with a lower
+        --lr, tries those batches again."""
         what = f"non-finite loss or gradient in the batch after step {step} (loss {nll}, " \
                f"gradient norm {norm})"
         self.bad_in_a_row += 1
+        if self.bad_in_a_row == 1:
+            self.first_bad = (position, self.carried_in)
         patience = self.config.train.nan_patience
+        if self.config.train.on_nan == "stop" or (patience and self.bad_in_a_row >= patience):
+            self.rewind_to_first_bad()
         if self.config.train.on_nan == "stop":
             self.checkpointer.save(step)  # the last good weights (no-op if saved already)
             raise TrainingError(f"{what}; the update was not applied and the weights of "
