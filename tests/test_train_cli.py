@@ -152,3 +152,54 @@ def test_help_documents_every_flag():
                  "--tie-embeddings", "--clip-norm", "--model-dir", "--export-dir", "--no-export",
                  "--metrics-json", "--batch-size", "--intra-op-threads"):
         assert flag in proc.stdout
+
+
+def with_flag(args, flag, value):
+    args = list(args)
+    args[args.index(flag) + 1] = value
+    return args
+
+
+@pytest.mark.parametrize("mode,message", [
+    ("sentence", "train.batch_size (--batch-size): checkpoint has 16, this run asks for 8 in "
+                 "the middle of epoch 1 (after batch 6); the global batch can change only at "
+                 "an epoch end"),
+    ("stream", "train.batch_size (--batch-size): checkpoint has 16, this run asks for 8, and "
+               "in stream mode the checkpoint carries 16 rows of recurrent state"),
+])
+def test_a_new_global_batch_the_checkpoint_cannot_honour_is_refused(mode, message, tiny_args,
+                                                                    capsys):
+    args = tiny_args + ["--no-export", "--mode", mode, "--bptt", "8"]
+    assert train_main(args) == 0
+    capsys.readouterr()
+    code, err = cli_error(with_flag(with_flag(args, "--batch-size", "8"), "--max-steps", "9"),
+                          capsys)
+    assert code == 2
+    assert err.startswith("error: cannot resume") and message in err
+
+
+def test_the_global_batch_may_change_at_an_epoch_end(tiny_args, tmp_path, capsys):
+    args = with_flag(tiny_args + ["--no-export"], "--max-steps", "0")
+    assert train_main(args) == 0  # one whole epoch
+    first = json.loads((tmp_path / "metrics.json").read_text())["steps"]
+    assert train_main(with_flag(with_flag(args, "--batch-size", "8"), "--epochs", "2")) == 0
+    second = json.loads((tmp_path / "metrics.json").read_text())["steps"]
+    assert second > 2 * first  # the second epoch has twice as many (smaller) batches
+    stored = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert stored["train"]["batch_size"] == 8  # config.json records the latest run
+
+
+def test_moving_to_or_from_parameter_server_warns_that_updates_stop_being_exact(tmp_path,
+                                                                                 caplog):
+    from tfpar.config import Config, DistConfig
+    from tfpar.training.checkpoints import check_config_file
+
+    check_config_file(str(tmp_path), Config(dist=DistConfig(strategy="parameter_server")), True)
+    with caplog.at_level("WARNING", logger="tfpar"):
+        check_config_file(str(tmp_path), Config(dist=DistConfig(strategy="mirrored")), True)
+    assert ("resuming a --strategy parameter_server checkpoint under --strategy mirrored: "
+            "the updates before this point were asynchronous") in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tfpar"):
+        check_config_file(str(tmp_path), Config(dist=DistConfig(strategy="tower")), True)
+    assert caplog.text == ""  # synchronous to synchronous: exact, nothing to say

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from tfpar.config import Config, resume_conflicts
 from tfpar.errors import CheckpointError, ConfigError
+from tfpar.parallel import ASYNCHRONOUS
 
 log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
@@ -60,7 +61,8 @@ def open_model_dir(config: Config, is_chief: bool):
 
 
 def check_config_file(model_dir: str, config: Config, is_chief: bool) -> None:
-    """Refuses a ``config.json`` the run cannot resume; writes it in a new model dir."""
+    """Refuses a ``config.json`` the run cannot resume; the chief then writes this run's
+    configuration there (the latest run's is what the next resume is checked against)."""
     path = os.path.join(model_dir, CONFIG_FILE)
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
@@ -68,11 +70,51 @@ def check_config_file(model_dir: str, config: Config, is_chief: bool) -> None:
         conflicts = resume_conflicts(stored, config)
         if conflicts:
             raise incompatible(model_dir, conflicts[0])
-    elif is_chief:
+        check_batch_change(model_dir, stored, config)
+        warn_on_exactness_change(stored, config)
+    if is_chief:
         tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(config.to_json())
         os.replace(tmp, path)
+
+
+def check_batch_change(model_dir: str, stored: Config, config: Config) -> None:
+    """A new global batch size is refused where the checkpoint cannot honour it: in the
+    middle of an epoch (its position counts batches of the old size) and in stream mode
+    (it carries one recurrent state row per batch row). At an epoch end in sentence
+    mode the next epoch simply uses the new size."""
+    old, new = stored.train.batch_size, config.train.batch_size
+    if old == new:
+        return
+    latest = tf.train.latest_checkpoint(os.path.join(model_dir, "checkpoints"))
+    if latest is None:
+        return
+    try:
+        reader = tf.train.load_checkpoint(latest)
+        epoch = int(reader.get_tensor("epoch/.ATTRIBUTES/VARIABLE_VALUE"))
+        position = int(reader.get_tensor("batch_in_epoch/.ATTRIBUTES/VARIABLE_VALUE"))
+    except (tf.errors.OpError, ValueError):
+        return  # unreadable: restoring reports it and falls back
+    field = f"train.batch_size (--batch-size): checkpoint has {old}, this run asks for {new}"
+    if config.data.mode == "stream":
+        raise incompatible(model_dir, f"{field}, and in stream mode the checkpoint carries "
+                                      f"{old} rows of recurrent state")
+    if position:
+        raise incompatible(model_dir, f"{field} in the middle of epoch {epoch + 1} (after "
+                                      f"batch {position}); the global batch can change only "
+                                      "at an epoch end")
+
+
+def warn_on_exactness_change(stored: Config, config: Config) -> None:
+    """Moving between parameter_server and a synchronous strategy is allowed, with a
+    warning: only synchronous strategies compute the one-device update."""
+    before, now = stored.dist.strategy, config.dist.strategy
+    if (before in ASYNCHRONOUS) != (now in ASYNCHRONOUS):
+        log.warning("resuming a --strategy %s checkpoint under --strategy %s: the updates "
+                    "%s asynchronous, so this run no longer repeats one device's updates "
+                    "exactly", before, now,
+                    "from here on are" if now in ASYNCHRONOUS else "before this point were")
 
 
 class WriterLock:
