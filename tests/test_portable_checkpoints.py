@@ -18,12 +18,15 @@ STRATEGIES = {
 }
 
 
-def run(corpus, model_dir, strategy, steps, mode):
-    args = ["--data", str(corpus), "--mode", mode, "--bptt", "8", "--layers", "2",
+def flags(corpus, model_dir, steps, mode):
+    return ["--data", str(corpus), "--mode", mode, "--bptt", "8", "--layers", "2",
             "--embed-dim", "16", "--hidden-dim", "16", "--batch-size", "12", "--epochs", "5",
             "--max-steps", str(steps), "--no-progress", "--no-export", "--deterministic",
-            "--seed", "5", "--model-dir", str(model_dir), *STRATEGIES[strategy]]
-    assert train_main(args) == 0
+            "--seed", "5", "--model-dir", str(model_dir)]
+
+
+def run(corpus, model_dir, strategy, steps, mode):
+    assert train_main(flags(corpus, model_dir, steps, mode) + STRATEGIES[strategy]) == 0
 
 
 def weights(model_dir):
@@ -49,5 +52,33 @@ def test_a_checkpoint_moves_between_strategies(mode, first, second, tiny_corpus_
     want, got = weights(tmp_path / "still"), weights(tmp_path / "moved")
     assert got.keys() == want.keys() and any(k.startswith("moments/") for k in got)
     assert int(got["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"]) == 30
-    worst = max(float(abs(got[k] - want[k]).max()) for k in want)
-    assert worst <= 1e-5, worst
+    assert worst_difference(got, want) <= 1e-5
+
+
+def worst_difference(got, want) -> float:
+    return max(float(abs(got[k] - want[k]).max()) for k in want)
+
+
+@pytest.mark.cluster
+def test_a_checkpoint_moves_into_and_out_of_a_multi_worker_job(tiny_corpus_dir, tmp_path):
+    """Stream mode: 12 steps under mirrored:2, to 24 as two worker processes (each holds
+    its replica's rows of the carried state), to 36 under default; against 36 straight."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    run(tiny_corpus_dir, tmp_path / "still", "default", 36, "stream")
+    run(tiny_corpus_dir, tmp_path / "moved", "mirrored:2", 12, "stream")
+    job = subprocess.run(
+        [sys.executable, f"{REPO}/scripts/launch_local.py", "--workers", "2", "--",
+         "--strategy", "multi_worker", *flags(tiny_corpus_dir, tmp_path / "moved", 24, "stream")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert job.returncode == 0, job.stdout[-3000:]
+    assert "resumed from" in job.stdout and "(step 12)" in job.stdout
+    assert int(weights(tmp_path / "moved")["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"]) \
+        == 24
+    run(tiny_corpus_dir, tmp_path / "moved", "default", 36, "stream")
+    want, got = weights(tmp_path / "still"), weights(tmp_path / "moved")
+    assert got.keys() == want.keys()
+    assert worst_difference(got, want) <= 1e-5
