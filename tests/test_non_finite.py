@@ -430,6 +430,33 @@ def test_skip_gives_up_after_nan_patience_batches(corpus, reference, tmp_path, c
     assert batch_in_epoch(tmp_path / "run") == 1  # from the first of the three bad batches
 
 
+@pytest.mark.parametrize("strategy", [
+    ["--strategy", "one_device"], ["--strategy", "mirrored", "--cpu-devices", "2"],
+    ["--strategy", "tower", "--cpu-devices", "2"], ["--strategy", "pipeline", "--cpu-devices", "2"],
+    ["--strategy", "parallel_do", "--cpu-devices", "2"]], ids=lambda s: s[1])
+def test_every_synchronous_strategy_ends_a_diverging_run_with_one_line(strategy, corpus,
+                                                                       tmp_path, capsys):
+    """The diverging run under --on-nan stop and under --on-nan skip (--nan-patience 3):
+    exit 2, one error line, no traceback, a checkpoint of step 1 whose weights are all
+    finite (the lr 1e38 update of step 1 was the last one applied)."""
+    for on_nan, patience in (("stop", "0"), ("skip", "3")):
+        out = tmp_path / on_nan
+        args = run_args(corpus, out, "--max-steps", "5", "--no-export", "--on-nan", on_nan,
+                        *strategy)
+        args[args.index("--nan-patience") + 1] = patience
+        code = train_main(args)
+        err = capsys.readouterr().err
+        assert code == 2, err[-2000:]
+        assert "Traceback" not in err
+        assert [line for line in err.splitlines() if line.startswith("error:")] == \
+            [err.strip().splitlines()[-1]]
+        assert "the weights of step 1 are checkpointed in" in err
+        got = checkpoint_tensors(out / "run")
+        assert int(got["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"]) == 1
+        weights = [v for k, v in got.items() if k.startswith("layers/")]
+        assert weights and all(np.isfinite(w).all() for w in weights)
+
+
 def test_on_nan_skip_goes_on_to_the_end(corpus, reference, tmp_path, capsys):
     """Every batch after step 1 is skipped; the run evaluates, exports and writes its
     metrics (NaN perplexities) without a traceback; the epoch-end checkpoint, written
