@@ -25,9 +25,8 @@ def shared_data_dir() -> str:
                           os.path.join(os.path.dirname(REPO), "shared", "data"))
 
 
-@pytest.fixture
-def tiny_corpus_dir(tmp_path):
-    """A folder with small train/valid/test splits of varied sentence lengths."""
+def write_tiny_corpus(folder):
+    """Small train/valid/test splits of varied sentence lengths (always the same)."""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -35,8 +34,20 @@ def tiny_corpus_dir(tmp_path):
     for split, n in (("train", 300), ("valid", 40), ("test", 40)):
         lines = [" ".join(rng.choice(words, size=int(rng.integers(1, 25))))
                  for _ in range(n)]
-        (tmp_path / f"{split}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return tmp_path
+        (folder / f"{split}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return folder
+
+
+@pytest.fixture
+def tiny_corpus_dir(tmp_path):
+    """A folder with small train/valid/test splits of varied sentence lengths."""
+    return write_tiny_corpus(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def module_tiny_corpus(tmp_path_factory):
+    """The same corpus, once per test module."""
+    return write_tiny_corpus(tmp_path_factory.mktemp("tiny-corpus"))
 
 
 @pytest.fixture
