@@ -202,4 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from tfpar.tools.console import quiet_native_logs  # noqa: E402
+
+    quiet_native_logs()  # before TensorFlow is imported
     sys.exit(main())

@@ -8,50 +8,40 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import REPO
 from tfpar.tools.cli import train_main
+from tfpar.tools.faults import (checkpoint_tensors, compare_tensors, start_train,
+                                write_tiny_corpus)
 
-TRAIN = os.path.join(REPO, "scripts", "train.py")
 
-
-def run_args(corpus, tmp, name, steps=12):
+def run_args(corpus, tmp, name, steps=60):
+    """60 steps: at least 50 past the kill points between steps and in a checkpoint write,
+    for a small difference to grow."""
     return [
         # hidden 384: a checkpoint large enough (~7 MB with Adam slots) that its write
         # takes long enough for the test to catch a kill in the middle of it.
         "--data", str(corpus), "--embed-dim", "16", "--hidden-dim", "384", "--dropout", "0.1",
-        "--batch-size", "16", "--epochs", "3", "--max-steps", str(steps), "--no-progress",
+        "--batch-size", "16", "--epochs", "4", "--max-steps", str(steps), "--no-progress",
         "--checkpoint-every", "2", "--deterministic", "--seed", "3",
         "--model-dir", str(tmp / name), "--export-dir", str(tmp / (name + "-export")),
         "--metrics-json", str(tmp / (name + ".json")),
     ]
 
 
-def final_weights(model_dir):
-    """Every tensor of the latest checkpoint: weights, optimizer slots and step count,
-    epoch, position, RNG states (not how many saves it took)."""
-    reader = tf.train.load_checkpoint(str(model_dir / "checkpoints"))
-    keys = sorted(k for k in reader.get_variable_to_shape_map()
-                  if not k.startswith(("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter")))
-    return {k: reader.get_tensor(k) for k in keys}
-
-
 def assert_same_tensors(got, expected):
-    assert got.keys() == expected.keys()
+    """Two checkpoint_tensors() dicts: the same tensors, each bit-identical."""
     assert any(k.startswith("layers/rnn_0") for k in got)  # the LSTM weights are compared
     assert any(k.startswith("moments/") for k in got)  # and the optimizer's slots
-    for key in expected:
-        np.testing.assert_array_equal(got[key], expected[key], err_msg=key)
+    comparison = compare_tensors(got, expected)
+    assert comparison.exact, comparison.describe()
 
 
 def start(args):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    return subprocess.Popen([sys.executable, TRAIN, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    return start_train(args)
 
 
 def wait_for(predicate, proc, timeout=180.0, interval=0.02):
@@ -92,18 +82,12 @@ def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     corpus = make_corpus(tmp)
     assert train_main(run_args(corpus, tmp, "ref")) == 0
-    return corpus, final_weights(tmp / "ref")
+    return corpus, checkpoint_tensors(tmp / "ref")
 
 
 def make_corpus(tmp):
-    rng = np.random.default_rng(0)
-    words = [f"w{i}" for i in range(40)]
-    d = tmp / "corpus"
-    d.mkdir()
-    for split, n in (("train", 300), ("valid", 40), ("test", 40)):
-        lines = [" ".join(rng.choice(words, size=int(rng.integers(1, 25)))) for _ in range(n)]
-        (d / f"{split}.txt").write_text("\n".join(lines) + "\n")
-    return d
+    """The tiny corpus (300/40/40 sentences) in ``tmp/corpus``."""
+    return Path(write_tiny_corpus(str(tmp / "corpus")))
 
 
 @pytest.mark.parametrize("point", ["after-step-4", "while-checkpointing", "while-exporting"])
@@ -125,8 +109,8 @@ def test_sigkill_then_resume_ends_with_the_same_parameters(point, reference, tmp
     resumed = start(run_args(corpus, tmp_path, "run"))
     out, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, out
-    assert_same_tensors(final_weights(model_dir), expected)
-    assert json.loads((tmp_path / "run.json").read_text())["steps"] == 12
+    assert_same_tensors(checkpoint_tensors(model_dir), expected)
+    assert json.loads((tmp_path / "run.json").read_text())["steps"] == 60
     assert os.path.exists(export_dir / "tfpar_lm" / "1" / "saved_model.pb")
 
 
@@ -226,7 +210,8 @@ def test_a_resumed_run_repeats_an_uninterrupted_one_exactly(strategy, mode, tiny
     whole = run("whole", 60)
     run("resumed", 10)
     resumed = run("resumed", 60)
-    assert_same_tensors(final_weights(tmp_path / "resumed"), final_weights(tmp_path / "whole"))
+    assert_same_tensors(checkpoint_tensors(tmp_path / "resumed"),
+                        checkpoint_tensors(tmp_path / "whole"))
     assert (resumed["steps"], resumed["valid_ppl"], resumed["test_ppl"]) == \
         (whole["steps"], whole["valid_ppl"], whole["test_ppl"])
 

@@ -63,6 +63,7 @@ class Loop:
         self.carrying = None  # stream mode: the state the next window starts from
         self.carried_in = None  # and the state the last window started from
         self.first_bad = (0, None)  # position and state of the first of bad_in_a_row
+        self.epoch_began = (time.perf_counter(), Progress())  # for the epoch's log line
         checkpointer.before_save = self.store_carry
         self.stop_signal = StopSignal()
         self.bar = ProgressHook() if config.run.progress else None
@@ -84,6 +85,7 @@ class Loop:
             cfg = self.config.train
             while int(self.state.epoch.numpy()) < cfg.epochs and not self.done():
                 epoch = int(self.state.epoch.numpy())
+                self.epoch_began = (time.perf_counter(), dataclasses.replace(self.progress))
                 self.train_epoch(epoch, int(self.state.batch_in_epoch.numpy()))
                 if self.done() and int(self.state.batch_in_epoch.numpy()) != 0:
                     break
@@ -96,10 +98,20 @@ class Loop:
                                  input_context=input_context,
                                  batch_size=self.config.train.batch_size)
 
+    def batches_left(self, epoch: int, skip: int) -> int:
+        """The batches of ``epoch`` after the first ``skip`` (one pass of the input)."""
+        return count_batches(self.train_batches(epoch, 0)) - skip
+
+    def start_bar(self, todo: int) -> None:
+        """The progress bar of an epoch with ``todo`` batches left (fewer by --max-steps)."""
+        if self.bar is not None:
+            max_steps = self.config.train.max_steps
+            self.bar.start_epoch(min(todo, max_steps - self.step) if max_steps else todo)
+
     def train_epoch(self, epoch: int, skip: int) -> None:
         batches = self.plugin.distribute(lambda ctx: self.train_batches(epoch, skip, ctx))
         if self.bar is not None:
-            self.bar.start_epoch(None)
+            self.start_bar(self.batches_left(epoch, skip))
         stream = self.config.data.mode == "stream"
         train_step = restart_state_after_non_finite(self.train_step) if stream else \
             self.train_step
@@ -154,7 +166,14 @@ class Loop:
         nll, count = evaluate(self.plugin, self.eval_step, self.data, "valid",
                               self.config.train.global_eval_batch_size)
         ppl = perplexity(nll, count)
-        log.info("epoch %d: valid perplexity %.2f", epoch + 1, ppl)
+        began, before = self.epoch_began
+        p = self.progress
+        tokens, seconds = p.tokens - before.tokens, p.seconds - before.seconds
+        log.info("epoch %d/%d: train ppl %.2f, valid ppl %.2f, %s tokens/s, %s",
+                 epoch + 1, self.config.train.epochs,
+                 perplexity(p.nll - before.nll, p.count - before.count), ppl,
+                 f"{tokens / seconds:,.0f}" if seconds > 0 else "-",
+                 wall_time(time.perf_counter() - began))
         self.writer.scalars("eval", {"perplexity": ppl, "epoch": epoch + 1}, self.step)
         self.writer.end_epoch(self.state.model, self.step)
         self.state.epoch.assign(epoch + 1)
@@ -208,6 +227,15 @@ class Loop:
         log.warning("%s: skipped (--on-nan skip)", what)
 
 
+def wall_time(seconds: float) -> str:
+    """``1h02m03s``, ``4m05s`` or ``6.7s``."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
 def is_finite(out) -> bool:
     """Whether a step's loss and gradient norm are both finite (what :meth:`Loop.record`
     accepts)."""
@@ -237,12 +265,11 @@ class AsyncLoop(Loop):
 
     def train_epoch(self, epoch: int, skip: int) -> None:
         cfg, coordinator = self.config, self.plugin
-        todo = count_batches(self.train_batches(epoch, 0)) - skip  # batches left
+        todo = self.batches_left(epoch, skip)
         max_steps = cfg.train.max_steps
         iterators = coordinator.distribute_to_workers(
             lambda ctx: self.train_batches(epoch, skip, ctx))
-        if self.bar is not None:
-            self.bar.start_epoch(min(todo, max_steps - self.step) if max_steps else todo)
+        self.start_bar(todo)
         every = cfg.run.checkpoint_every or todo
         while todo > 0 and not self.done():
             start = time.perf_counter()

@@ -1,0 +1,226 @@
+"""scripts/faults.py: the kill test and the portability matrix, short versions (real
+processes, real SIGKILLs), the comparison that decides them, the phase a kill is
+reported to have hit, and the one-line usage errors."""
+
+import importlib.util
+import os
+import types
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from tfpar.tools import faults
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location(
+        "faults_script", os.path.join(REPO, "scripts", "faults.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tensors():
+    return {"layers/softmax:kernel/.ATTRIBUTES/VARIABLE_VALUE": np.arange(6, dtype=np.float32)
+            .reshape(2, 3),
+            "moments/softmax_kernel_momentum/.ATTRIBUTES/VARIABLE_VALUE": np.ones(3, np.float32),
+            "optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE": np.int64(40),
+            "carry/rnn_0:0/.ATTRIBUTES/VARIABLE_VALUE": np.full((2, 2), np.nan, np.float32)}
+
+
+def test_the_comparison_names_the_one_tensor_that_differs_and_by_how_much():
+    same = faults.compare_tensors(tensors(), tensors())
+    assert same.exact and same.worst == 0.0 and same.compared == 4  # NaN == NaN here
+
+    got = tensors()
+    got["layers/softmax:kernel/.ATTRIBUTES/VARIABLE_VALUE"][1, 2] += np.float32(3e-7)
+    got["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"] = np.int64(39)
+    c = faults.compare_tensors(got, tensors())
+    assert not c.exact
+    assert [d.key for d in c.differing] == ["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE",
+                                            "layers/softmax:kernel/.ATTRIBUTES/VARIABLE_VALUE"]
+    assert c.differing[0].max_abs == 1.0
+    assert c.differing[1].max_abs == pytest.approx(4.7683716e-07)  # float32 spacing at 5
+    assert (c.differing[1].count, c.differing[1].size) == (1, 6)
+    assert c.describe().startswith("2/4 tensors differ: optimizer/_iterations max|Δ| 1 (1/1); "
+                                   "layers/softmax:kernel max|Δ| 4.77e-07 (1/6)")
+
+    fewer = tensors()
+    del fewer["carry/rnn_0:0/.ATTRIBUTES/VARIABLE_VALUE"]
+    c = faults.compare_tensors(fewer, tensors())
+    assert c.missing == ["carry/rnn_0:0/.ATTRIBUTES/VARIABLE_VALUE"] and c.worst == float("inf")
+    assert "missing carry/rnn_0:0" in c.describe()
+
+
+def test_checkpoint_tensors_leave_out_the_bookkeeping(tmp_path):
+    import tensorflow as tf
+
+    ckpt = tf.train.Checkpoint(w=tf.Variable([1.0, 2.0]), epoch=tf.Variable(3, dtype=tf.int64))
+    ckpt.save(str(tmp_path / "checkpoints" / "ckpt"))
+    got = faults.checkpoint_tensors(tmp_path)
+    assert sorted(got) == ["epoch/.ATTRIBUTES/VARIABLE_VALUE", "w/.ATTRIBUTES/VARIABLE_VALUE"]
+    np.testing.assert_array_equal(got["w/.ATTRIBUTES/VARIABLE_VALUE"], [1.0, 2.0])
+
+
+def test_a_non_exact_resume_or_a_cell_above_the_tolerance_exits_1(monkeypatch, capsys):
+    bad = faults.compare_tensors({"a": np.ones(2)}, {"a": np.zeros(2)})
+    round_ = faults.Round("stream", 1, [faults.Kill(3.2, faults.Phase("training", "x"))], bad)
+    monkeypatch.setattr(faults, "kill_test", lambda spec: [round_])
+    assert load_script().main(["kills", "--kills", "1"]) == 1
+    assert "NOT EXACT: 1/1 tensors differ: a max|Δ| 1 (2/2)" in round_.line(1)
+    assert faults.kill_summary([round_], ["stream"])[-1] == \
+        "kills tried 1, exact 0, not exact 1 (stream 0/1)"
+
+    pair = faults.Pair("sentence", "tower:3", "pipeline", 12,
+                       faults.compare_tensors({"a": np.ones(1)}, {"a": np.ones(1) + 2e-5}))
+    monkeypatch.setattr(faults, "portability_matrix", lambda spec: [pair])
+    assert load_script().main(["matrix"]) == 1
+    assert "| tower:3 | — | 2.0e-05 |" in faults.format_matrix([pair], ["tower:3"],
+                                                               ["default", "pipeline"])
+    assert faults.matrix_summary([pair], 1e-5) == \
+        "matrix: 1 pairs, worst max |Δ| 2.0e-05 (sentence tower:3 -> pipeline), 1 above 1e-05"
+
+
+def fake_process(model_dir, output, seen=(), initial=(), code=None):
+    return types.SimpleNamespace(model_dir=str(model_dir), output=output, seen=dict(seen),
+                                 initial=set(initial), lines=[(9.5, output)],
+                                 proc=types.SimpleNamespace(returncode=code))
+
+
+def checkpoint_files(model_dir, steps, latest, extra=()):
+    d = model_dir / "checkpoints"
+    d.mkdir(parents=True)
+    for s in steps:
+        (d / f"ckpt-{s}.index").write_text("")
+    (d / "checkpoint").write_text(f'model_checkpoint_path: "ckpt-{latest}"\n')
+    for name in extra:
+        (d / name).mkdir()
+
+
+CORPUS = "I tfpar.training.run: corpus synthetic: 600/60/60 sentences; vocabulary 1526"
+
+
+@pytest.mark.parametrize("case,want", [
+    ("finished", "finished already (last output at 9.5 s)"),
+    ("crashed", "exited by itself (status 2)"),
+    ("importing", "start-up (imports, devices, corpus)"),
+    ("tracing", "tracing + first steps (fresh; steps 1-5)"),
+    ("resumed", "tracing + first steps (restored step 20; steps 21-25)"),
+    ("temp", "checkpoint write (ckpt-25 being written)"),
+    ("state", "checkpoint write (ckpt-25 written, state file not yet updated)"),
+    ("training", "training (after ckpt-20; steps 21-25)"),
+    ("steps to epoch end", "training (after ckpt-55; steps 56-57)"),
+    ("valid eval", "epoch-end evaluation (epoch 1 valid, 1.50 s after ckpt-55)"),
+    ("epoch summaries", "epoch-end evaluation (epoch 1 valid done; histograms, gradient "
+                        "norms, text samples, ckpt-57 next)"),
+    ("final eval", "final evaluation (valid + test)"),
+    ("export", "export"),
+])
+def test_the_phase_a_kill_hit_is_read_from_the_output_and_the_files(case, want, tmp_path):
+    schedule = faults.Schedule(max_steps=100, every=5, epoch_ends=(57,))
+    model_dir, export_dir = tmp_path / "run", tmp_path / "export"
+    pace = {s: s * 0.1 for s in (45, 50, 55)}  # 0.1 s a step
+    alive = case not in ("finished", "crashed")
+    code = {"finished": 0, "crashed": 2}.get(case)
+    output = "" if case == "importing" else CORPUS
+    if case == "resumed":
+        checkpoint_files(model_dir, [10, 15, 20], 20)
+        proc = fake_process(model_dir, output + "\nresumed from x/ckpt-20 (step 20)",
+                            {10: 0.0, 15: 0.0, 20: 0.0}, {10, 15, 20})
+    elif case in ("training", "temp", "state"):
+        checkpoint_files(model_dir, [10, 15, 20] + ([25] if case == "state" else []), 20,
+                         ["ckpt-25_temp"] if case == "temp" else [])
+        proc = fake_process(model_dir, output, {10: 1.0, 15: 1.5, 20: 2.0})
+    elif case in ("steps to epoch end", "valid eval", "epoch summaries"):
+        checkpoint_files(model_dir, [45, 50, 55], 55)
+        if case == "epoch summaries":
+            output += ("\nI tfpar.training.loop: epoch 1/2: train ppl 900.12, valid ppl 813.77, "
+                       "12,345 tokens/s, 4.2s")
+        proc = fake_process(model_dir, output, pace)
+    elif case in ("final eval", "export"):
+        checkpoint_files(model_dir, [90, 95, 100], 100)
+        proc = fake_process(model_dir, output, {90: 9.0, 95: 9.5, 100: 10.0})
+        if case == "export":
+            (export_dir / "tfpar_lm" / ".staging-abc").mkdir(parents=True)
+    else:
+        proc = fake_process(model_dir, output, code=code)
+    moment = 7.0 if case == "valid eval" else 5.6
+    assert str(faults.infer_phase(proc, str(export_dir), schedule, moment, alive)) == want
+
+
+def test_killed_runs_resume_exactly(tmp_path, capsys):
+    """Two rounds in stream mode (the carried state must resume too): each run killed at
+    a moment drawn from [0, T] and run again ends bit-identical to the reference."""
+    code = load_script().main(["kills", "--kills", "2", "--modes", "stream", "--seed", "10",
+                               "--max-steps", "30", "--workdir", str(tmp_path / "w")])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert code == 0, "\n".join(out)
+    assert [line.split("->")[1].split("(")[0].strip() for line in out
+            if line.startswith("[stream ")] == ["exact", "exact"]
+    assert out[-2].startswith("phases hit: ")
+    assert out[-1] == "kills tried 2, exact 2, not exact 0 (stream 2/2)"
+    assert os.listdir(tmp_path / "w") == []  # the runs are cleaned up (no --keep)
+
+
+def test_a_checkpoint_moved_between_strategies_matches_the_default_run(tmp_path, capsys):
+    code = load_script().main(["matrix", "--modes", "stream", "--sources", "mirrored:2",
+                               "--targets", "tower:3", "--kill-at-step", "8", "--steps", "20",
+                               "--workdir", str(tmp_path / "w")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    row = [line for line in out.splitlines() if line.startswith("| mirrored:2 |")]
+    assert len(row) == 1 and float(row[0].split("|")[2]) <= 1e-5
+    assert out.strip().splitlines()[-1].endswith(", 0 above 1e-05")
+    assert "matrix: 1 pairs, worst max |Δ| " in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["kills", "--kills", "0"], "error: --kills must be >= 1, got 0"),
+    (["kills", "--kills-per-run", "0"], "error: --kills-per-run must be >= 1, got 0"),
+    (["kills", "--modes", "sentence,foo"], "error: unknown mode 'foo' in --modes; expected "
+                                           "one of: sentence, stream"),
+    (["kills", "--modes", " , "], "error: --modes ' , ' names nothing"),
+    (["kills", "--modes", "stream,stream"], "error: --modes 'stream,stream' names an entry "
+                                            "twice"),
+    (["kills", "--strategy", "multi_worker"], "error: --strategy multi_worker needs TF_CONFIG"),
+    (["kills", "--strategy", "foo"], "error: unknown --strategy 'foo'; expected one of: "
+                                     "default, one_device"),
+    (["kills", "--cpu-devices", "-1"], "error: --cpu-devices must be >= 0, got -1"),
+    (["kills", "--checkpoint-every", "0"], "error: --checkpoint-every must be >= 1, got 0"),
+    (["kills", "--max-steps", "5"], "error: --max-steps must be > --checkpoint-every (5), "
+                                    "got 5"),
+    (["matrix", "--sources", "tower:x"], "error: device count 'x' of 'tower:x' is not an "
+                                         "integer; e.g. tower:2"),
+    (["matrix", "--targets", "foo"], "error: unknown strategy 'foo' in 'foo'"),
+    (["matrix", "--targets", "multi_worker:2"], "error: multi_worker needs TF_CONFIG and one "
+                                                "process per task"),
+    (["matrix", "--sources", "default:2"], "error: 'default:2': default runs on one device"),
+    (["matrix", "--sources", "mirrored:0"], "error: 'mirrored:0': the device count must be "
+                                            ">= 1, got 0"),
+    (["matrix", "--checkpoint-every", "0"], "error: --checkpoint-every must be >= 1, got 0"),
+    (["matrix", "--kill-at-step", "10"], "error: --kill-at-step 10 must be a positive "
+                                         "multiple of --checkpoint-every 4"),
+    (["matrix", "--steps", "12"], "error: --steps must be > --kill-at-step (12), got 12"),
+    (["matrix", "--tolerance", "-1"], "error: --tolerance must be >= 0, got -1.0"),
+    (["matrix", "--sources", "default", "--targets", "default"],
+     "error: --sources and --targets leave no pair"),
+])
+def test_usage_errors_exit_2_with_one_line(argv, message, capsys):
+    assert load_script().main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message), err
+
+
+@pytest.mark.parametrize("kind", ["file", "not empty"])
+def test_a_workdir_that_is_a_file_or_not_empty_is_refused(kind, tmp_path, capsys):
+    path = tmp_path / "w"
+    if kind == "file":
+        path.write_text("x")
+    else:
+        path.mkdir()
+        (path / "old").write_text("x")
+    assert load_script().main(["kills", "--workdir", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --workdir '{path}' is {'a file' if kind == 'file' else 'not empty'}"
+                   "; give a new or empty folder"]
