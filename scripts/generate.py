@@ -24,7 +24,12 @@ def parser() -> argparse.ArgumentParser:
                         "dir (the highest version is used)")
     p.add_argument("--prompt", action="append", default=None,
                    help="words to continue; repeat for several (default: one sentence start)")
-    p.add_argument("--max-tokens", type=int, default=30, help="most words per continuation")
+    p.add_argument("--max-tokens", type=int, default=30,
+                   help="most tokens per continuation, sentence ends included "
+                        "(default: %(default)s)")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="end each continuation at its first sentence end (default: go on "
+                        "across sentences, one line each)")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature (0: greedy)")
     p.add_argument("--top-k", type=int, default=0,
@@ -55,9 +60,11 @@ def main(argv=None) -> int:
         prompts = args.prompt or [""]
         texts = export.generate_text(loaded, prompts, max_tokens=args.max_tokens,
                                      temperature=args.temperature, top_k=args.top_k,
-                                     seed=args.seed)
-        for prompt, text in zip(prompts, texts):
-            print(f"[{prompt}] {text}")
+                                     seed=args.seed, stop_at_eos=args.stop_at_eos)
+        for i, (prompt, text) in enumerate(zip(prompts, texts)):
+            if i and args.stop_at_eos is False:
+                print()  # continuations span lines: a blank line between prompts
+            print(f"[{prompt}] {text.rstrip()}")
 
     return run_main(body)
 

@@ -29,7 +29,8 @@ SIGNATURE_IO = {
     "score": ({"text": tf.string},
               {"nll": tf.float32, "tokens": tf.int32, "perplexity": tf.float32}),
     "generate": ({"prompt": tf.string, "max_tokens": tf.int32, "temperature": tf.float32,
-                  "top_k": tf.int32, "seed": tf.int32}, {"text": tf.string}),
+                  "top_k": tf.int32, "seed": tf.int32, "stop_at_eos": tf.bool},
+                 {"text": tf.string}),
 }
 
 
@@ -49,9 +50,10 @@ def exported(tmp_path_factory):
     return model, vocab, config, tf.saved_model.load(path), path
 
 
-def gen(loaded, prompts, *, max_tokens=8, temperature=1.0, top_k=0, seed=0):
+def gen(loaded, prompts, *, max_tokens=8, temperature=1.0, top_k=0, seed=0, stop_at_eos=True):
     return export.generate_text(loaded, prompts, max_tokens=max_tokens,
-                                temperature=temperature, top_k=top_k, seed=seed)
+                                temperature=temperature, top_k=top_k, seed=seed,
+                                stop_at_eos=stop_at_eos)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -235,7 +237,8 @@ score = m.signatures["score"](text=tf.constant(["w1 w2 w3", "w4"]))
 def gen(seed):
     out = m.signatures["generate"](
         prompt=tf.constant(["w1 w2", ""]), max_tokens=tf.constant(10),
-        temperature=tf.constant(1.0), top_k=tf.constant(5), seed=tf.constant(seed))
+        temperature=tf.constant(1.0), top_k=tf.constant(5), seed=tf.constant(seed),
+        stop_at_eos=tf.constant(True))
     return [t.decode() for t in out["text"].numpy()]
 print(json.dumps({
     "nll": score["nll"].numpy().tolist(), "tokens": score["tokens"].numpy().tolist(),
@@ -276,7 +279,8 @@ def test_saved_model_cli_lists_the_three_signatures(trained):
         block = out.split(f"signature_def['{name}']:")[1].split("signature_def[")[0]
         for kind, specs in (("inputs", inputs), ("outputs", outputs)):
             for key, dtype in specs.items():
-                enum = {tf.int32: "DT_INT32", tf.float32: "DT_FLOAT", tf.string: "DT_STRING"}
+                enum = {tf.int32: "DT_INT32", tf.float32: "DT_FLOAT", tf.string: "DT_STRING",
+                        tf.bool: "DT_BOOL"}
                 assert f"{kind}['{key}'] tensor_info:\n        dtype: {enum[dtype]}\n" in block
 
 

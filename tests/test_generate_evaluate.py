@@ -57,7 +57,7 @@ def out_and_code(main, argv, capsys):
 # ----------------------------------------------------------------------------- generate
 def test_generate_prints_one_seeded_continuation_per_prompt(run, capsys):
     argv = ["--model", run["export"], "--prompt", "w1 w2", "--prompt", "", "--max-tokens",
-            "7", "--top-k", "5", "--seed", "11"]
+            "7", "--top-k", "5", "--seed", "11", "--stop-at-eos"]
     code, out, _ = out_and_code(generate.main, argv, capsys)
     assert code == 0
     lines = out.splitlines()
@@ -68,6 +68,21 @@ def test_generate_prints_one_seeded_continuation_per_prompt(run, capsys):
     name_dir = os.path.dirname(run["export"])
     shutil.copytree(run["export"], os.path.join(name_dir, "2"), dirs_exist_ok=True)
     assert out_and_code(generate.main, ["--model", name_dir] + argv[2:], capsys)[1] == out
+
+
+def test_generate_goes_on_across_sentence_ends_unless_told_to_stop(run, capsys):
+    argv = ["--model", run["export"], "--prompt", "w1 w2", "--max-tokens", "60",
+            "--seed", "4"]
+    code, out, _ = out_and_code(generate.main, argv, capsys)
+    assert code == 0
+    lines = out.rstrip("\n").split("\n")
+    assert lines[0].startswith("[w1 w2] ") and len(lines) >= 2  # more than one sentence
+    # Words after the prompt ("[w1", "w2]"), plus one <eos> per line break.
+    tokens = sum(len(line.split()) for line in lines) - 2 + len(lines) - 1
+    assert tokens <= 60  # --max-tokens counts tokens, sentence ends included
+    code, stopped, _ = out_and_code(generate.main, argv + ["--stop-at-eos"], capsys)
+    assert code == 0 and len(stopped.splitlines()) == 1
+    assert lines[0] == stopped.rstrip("\n")  # the same first sentence, then it stops
 
 
 def test_generate_greedy_ignores_the_seed(run, capsys):

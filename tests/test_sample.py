@@ -25,12 +25,13 @@ class FixedLogits:
         return logits, [[count + 1.0]]
 
 
-def run(model, prompts, *, max_tokens=8, temperature=1.0, top_k=0, seed=0):
+def run(model, prompts, *, max_tokens=8, temperature=1.0, top_k=0, seed=0, stop_at_eos=True):
     table = VOCAB.lookup_table()
     ids, lengths = sample.prompt_ids(tf.constant(prompts), table)
     return sample.generate_ids(
         model, ids, lengths, max_tokens=tf.constant(max_tokens), top_k=tf.constant(top_k),
-        temperature=tf.constant(temperature, tf.float32), seed=tf.constant(seed)).numpy()
+        temperature=tf.constant(temperature, tf.float32), seed=tf.constant(seed),
+        stop_at_eos=tf.constant(stop_at_eos)).numpy()
 
 
 def test_prompt_ids_prepend_eos_right_pad_and_map_pad_literal_to_unk():
@@ -109,6 +110,37 @@ def test_rows_stop_at_eos_independently_and_pad_after():
     row[EOS_ID] = 10.0
     out = run(FixedLogits(row), ["a", "b c"], max_tokens=5, temperature=0.0)
     # Every row ends at once; the loop stops, so only one column is generated.
+    np.testing.assert_array_equal(out, [[EOS_ID], [EOS_ID]])
+
+
+class Alternating(FixedLogits):
+    """Greedy picks ``a`` after ``<eos>`` and ``<eos>`` after anything else."""
+
+    def __init__(self):
+        pass
+
+    def __call__(self, inputs, initial_state=None, training=False):
+        a = VOCAB.encode("a")[0]
+        after_eos = tf.one_hot(a, len(VOCAB)) * 10.0
+        after_word = tf.one_hot(EOS_ID, len(VOCAB)) * 10.0
+        logits = tf.where(tf.equal(inputs, EOS_ID)[..., None], after_eos, after_word)
+        return logits, [[tf.zeros([tf.shape(inputs)[0], 1])]]
+
+
+def test_without_stop_at_eos_a_continuation_crosses_sentence_ends():
+    a = VOCAB.encode("a")[0]
+    went_on = run(Alternating(), ["a"], max_tokens=5, temperature=0.0, stop_at_eos=False)
+    np.testing.assert_array_equal(went_on, [[EOS_ID, a, EOS_ID, a, EOS_ID]])
+    stopped = run(Alternating(), ["a"], max_tokens=5, temperature=0.0, stop_at_eos=True)
+    np.testing.assert_array_equal(stopped, [[EOS_ID]])
+    _, to_word = sample.vocab_tables(VOCAB)
+    text = sample.ids_to_text(tf.constant(went_on), to_word, eos_as_newline=True)
+    assert text.numpy()[0].decode() == "\na\na\n"  # each sentence end is a line break
+
+
+def test_a_diverged_row_ends_even_without_stop_at_eos():
+    row = np.full(len(VOCAB), np.nan)
+    out = run(FixedLogits(row), ["a", "b"], max_tokens=6, stop_at_eos=False)
     np.testing.assert_array_equal(out, [[EOS_ID], [EOS_ID]])
 
 

@@ -113,9 +113,13 @@ class LanguageModelModule(tf.Module):
         tf.TensorSpec([], tf.float32, name="temperature"),
         tf.TensorSpec([], tf.int32, name="top_k"),
         tf.TensorSpec([], tf.int32, name="seed"),
+        tf.TensorSpec([], tf.bool, name="stop_at_eos"),
     ])
-    def generate(self, prompt, max_tokens, temperature, top_k, seed):
-        """[B] prompts → {"text": [B] continuations}; see the module docstring."""
+    def generate(self, prompt, max_tokens, temperature, top_k, seed, stop_at_eos):
+        """[B] prompts → {"text": [B] continuations}; see the module docstring.
+
+        ``stop_at_eos`` False: continuations go on across sentence ends, each ``<eos>``
+        written as a line break; True: a continuation ends at its first ``<eos>``."""
         checks = [
             tf.debugging.assert_non_negative(max_tokens, message="max_tokens must be >= 0"),
             tf.debugging.assert_non_negative(
@@ -126,8 +130,10 @@ class LanguageModelModule(tf.Module):
         with tf.control_dependencies(checks):
             ids, lengths = sample.prompt_ids(prompt, self.table)
         out = sample.generate_ids(self.model, ids, lengths, max_tokens=max_tokens,
-                                  temperature=temperature, top_k=top_k, seed=seed)
-        return {"text": sample.ids_to_text(out, self.words)}
+                                  temperature=temperature, top_k=top_k, seed=seed,
+                                  stop_at_eos=stop_at_eos)
+        return {"text": sample.ids_to_text(out, self.words,
+                                           eos_as_newline=tf.logical_not(stop_at_eos))}
 
     def signatures(self) -> dict:
         return {"serving_default": self.serving_default, "score": self.score,
@@ -254,12 +260,24 @@ def _one_line(e: Exception) -> str:
 
 # ----------------------------------------------------------------------------- clients
 def generate_text(loaded, prompts: list[str], *, max_tokens: int, temperature: float,
-                  top_k: int, seed: int) -> list[str]:
-    """Calls a loaded SavedModel's ``generate`` signature; returns the continuations."""
-    out = loaded.signatures["generate"](
-        prompt=tf.constant(prompts, tf.string), max_tokens=tf.constant(max_tokens, tf.int32),
-        temperature=tf.constant(temperature, tf.float32), top_k=tf.constant(top_k, tf.int32),
-        seed=tf.constant(seed, tf.int32))
+                  top_k: int, seed: int, stop_at_eos: bool = False) -> list[str]:
+    """Calls a loaded SavedModel's ``generate`` signature; returns the continuations.
+
+    A SavedModel exported before ``generate`` took ``stop_at_eos`` always stops at the
+    first ``<eos>``; it is still served, with a warning when going on was asked for.
+    """
+    signature = loaded.signatures["generate"]
+    inputs = dict(prompt=tf.constant(prompts, tf.string),
+                  max_tokens=tf.constant(max_tokens, tf.int32),
+                  temperature=tf.constant(temperature, tf.float32),
+                  top_k=tf.constant(top_k, tf.int32), seed=tf.constant(seed, tf.int32))
+    if "stop_at_eos" in signature.structured_input_signature[1]:
+        inputs["stop_at_eos"] = tf.constant(stop_at_eos)
+    elif not stop_at_eos:
+        log.warning("this SavedModel's generate signature predates stop_at_eos: each "
+                    "continuation ends at its first sentence end; export the model again "
+                    "to go on across sentences")
+    out = signature(**inputs)
     return [t.decode("utf-8") for t in out["text"].numpy()]
 
 

@@ -11,9 +11,12 @@ runs inside a ``tf.function``::
     next-token logits are the ones at position length - 1;
     then, up to ``max_tokens`` times:  pick a token → append → feed it with the state.
 
-A row stops at ``<eos>`` (which is not part of the text); ``<pad>`` and ``<unk>`` are never
-picked; a row whose scores are not finite (a diverged model) stops at once. The output
-text is the continuation only, without the prompt.
+With ``stop_at_eos`` a row stops at its first ``<eos>`` (which is not part of the text);
+without it (the ``generate`` script's and signature's usual choice) the ``<eos>`` is fed
+back like any word, the row goes on into the next sentence, and the text shows each
+``<eos>`` as a line break. ``<pad>`` and ``<unk>`` are never picked; a row whose scores
+are not finite (a diverged model) stops at once. The output text is the continuation
+only, without the prompt.
 
 Token choice: greedy (argmax) when ``temperature <= 0`` or ``top_k == 1``; otherwise a draw
 from ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens
@@ -102,7 +105,8 @@ def choose_tokens(logits: tf.Tensor, step: tf.Tensor, *, temperature: tf.Tensor,
 
 
 def generate_ids(model, prompt: tf.Tensor, lengths: tf.Tensor, *, max_tokens: tf.Tensor,
-                 temperature: tf.Tensor, top_k: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
+                 temperature: tf.Tensor, top_k: tf.Tensor, seed: tf.Tensor,
+                 stop_at_eos=True) -> tf.Tensor:
     """Continues every prompt; see the module docstring.
 
     Args:
@@ -111,10 +115,13 @@ def generate_ids(model, prompt: tf.Tensor, lengths: tf.Tensor, *, max_tokens: tf
       lengths: [B] int32, real tokens of each prompt row (>= 1).
       max_tokens: int32 scalar, the most tokens generated per row (``<eos>`` included).
       temperature, top_k, seed: see :func:`choose_tokens`.
+      stop_at_eos: bool scalar; True: a row ends at its first ``<eos>``; False: the
+        ``<eos>`` is fed back like any token and the row goes on into the next sentence
+        (only ``max_tokens`` or non-finite scores end it).
 
     Returns:
-      [B, N] int32 generated ids, N <= max_tokens; a row that ended holds its ``<eos>``
-      then 0 (padding).
+      [B, N] int32 generated ids, N <= max_tokens; a row that ended early holds its
+      ``<eos>`` then 0 (padding).
     """
     logits, state = model(prompt, training=False)
     last = tf.gather(logits, lengths - 1, axis=1, batch_dims=1)  # [B, V]
@@ -129,7 +136,11 @@ def generate_ids(model, prompt: tf.Tensor, lengths: tf.Tensor, *, max_tokens: tf
         token = choose_tokens(logits, i, temperature=temperature, top_k=top_k, seed=seed)
         token = tf.where(done, PAD_ID, token)  # A finished row only pads; 0 also masks it.
         out = tf.concat([out, token[:, None]], axis=1)
-        done = tf.logical_or(done, tf.equal(token, EOS_ID))
+        # A diverged row (non-finite scores: choose_tokens gave it <eos>) always ends.
+        diverged = tf.logical_not(tf.reduce_all(
+            tf.math.is_finite(tf.cast(logits, tf.float32)), axis=-1))
+        ended = tf.logical_or(diverged, tf.logical_and(stop_at_eos, tf.equal(token, EOS_ID)))
+        done = tf.logical_or(done, ended)
         next_logits, state = model(token[:, None], initial_state=state, training=False)
         return i + 1, next_logits[:, 0], state, done, out
 
@@ -143,15 +154,20 @@ def generate_ids(model, prompt: tf.Tensor, lengths: tf.Tensor, *, max_tokens: tf
     return out
 
 
-def ids_to_text(ids: tf.Tensor, words) -> tf.Tensor:
-    """[B, N] ids → [B] strings: the words joined by spaces, ``<pad>``/``<eos>`` dropped.
+def ids_to_text(ids: tf.Tensor, words, eos_as_newline=False) -> tf.Tensor:
+    """[B, N] ids → [B] strings: the words joined by spaces, ``<pad>`` dropped, and
+    ``<eos>`` dropped or (``eos_as_newline``, a bool scalar) written as a line break.
 
     ``words`` maps int64 ids to strings (a ``tf.lookup`` table of id → word).
     """
-    keep = tf.logical_and(tf.not_equal(ids, PAD_ID), tf.not_equal(ids, EOS_ID))
+    eos = tf.equal(ids, EOS_ID)
+    keep = tf.logical_and(tf.not_equal(ids, PAD_ID),
+                          tf.logical_or(eos_as_newline, tf.logical_not(eos)))
     kept = tf.ragged.boolean_mask(ids, keep)
-    text = tf.ragged.map_flat_values(lambda v: words.lookup(tf.cast(v, tf.int64)), kept)
-    return tf.strings.reduce_join(text, axis=1, separator=" ")
+    text = tf.ragged.map_flat_values(
+        lambda v: tf.where(tf.equal(v, EOS_ID), "\n", words.lookup(tf.cast(v, tf.int64))), kept)
+    joined = tf.strings.reduce_join(text, axis=1, separator=" ")
+    return tf.strings.regex_replace(joined, " ?\n ?", "\n")  # words never hold "\n"
 
 
 def vocab_tables(vocab: Vocab):
