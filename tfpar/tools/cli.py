@@ -8,6 +8,7 @@ imported and split the CPU into logical devices before it initialises.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -15,6 +16,14 @@ from typing import Callable, Sequence
 
 from tfpar import config as cfg
 from tfpar.errors import ConfigError, TfparError
+
+
+def add_preset_flag(p: argparse.ArgumentParser) -> None:
+    from tfpar.tools.presets import PRESETS
+
+    p.add_argument("--preset", default="",
+                   help="a named configuration; flags given override its values: "
+                        + "; ".join(f"{name}: {desc}" for name, (desc, _) in PRESETS.items()))
 
 
 def add_distribution_flags(p: argparse.ArgumentParser) -> None:
@@ -149,6 +158,7 @@ def train_parser() -> argparse.ArgumentParser:
         description="Train an RNN language model on one or many devices, evaluate it, "
                     "write TensorBoard events and export a SavedModel.",
     )
+    add_preset_flag(p)
     add_distribution_flags(p)
     add_data_flags(p)
     add_model_flags(p)
@@ -284,12 +294,24 @@ def run_main(body: Callable[[], int | None]) -> int:
 
 
 def train_main(argv: Sequence[str] | None = None) -> int:
-    """``scripts/train.py``: flags → Config → ``train_and_evaluate``."""
-    args = train_parser().parse_args(argv)
+    """``scripts/train.py``: flags (over ``--preset``) → Config → ``train_and_evaluate``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = train_parser()
+    args = parser.parse_args(argv)
     setup_logging(args.verbose or args.log_device_placement)
 
     def body():
+        from tfpar.tools import presets
+
+        taken = presets.apply_preset(args, parser, argv)
         config = config_from_args(args)
+        if args.preset:
+            log = logging.getLogger("tfpar.tools.cli")
+            log.info("preset %s (%s): %s; flags given override it", args.preset,
+                     presets.PRESETS[args.preset][0], presets.describe(parser, taken))
+            log.info("configuration: %s", json.dumps(
+                {k: config.to_dict()[k] for k in ("data", "model", "train")},
+                separators=(",", ":")))
         prepare_runtime(config.dist)
         from tfpar.training.run import train_and_evaluate
 

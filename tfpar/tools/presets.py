@@ -1,0 +1,87 @@
+"""Named training configurations: ``train.py --preset NAME``.
+
+A preset is a set of flag values; flags given on the command line override it, and the
+resolved configuration is what the run logs and saves in ``config.json``.
+
+The ``ptb-*`` presets are the small, medium and large configurations of TensorFlow's
+``ptb_word_lm.py`` (Zaremba et al., 2014: "Recurrent Neural Network Regularization"):
+stream (BPTT) mode on PTB, plain SGD with gradient clipping, uniform init, a per-epoch
+LR decay after a number of epochs, dropout on the embedding output and on every LSTM
+layer's output. tfpar's loss is the per-token mean, while ``ptb_word_lm.py`` sums the
+loss over the ``bptt`` steps of a window (and averages over the batch), so its gradient
+is ``bptt`` times tfpar's: its ``lr`` 1.0 is ``--lr bptt`` here and its clip norm ``c`` is
+``--clip-norm c / bptt``. Their published test perplexities: small 115.91, medium
+82.07 (paper 82.7), large 78.29 (paper 78.4).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Mapping, Sequence
+
+from tfpar.errors import ConfigError
+
+
+def _zaremba(*, hidden: int, bptt: int, init: float, clip: float, dropout: float,
+             decay: float, decay_after: int, epochs: int) -> dict:
+    return dict(data="ptb", mode="stream", bptt=bptt, batch_size=20, cell="lstm", layers=2,
+                embed_dim=hidden, hidden_dim=hidden, dropout=dropout, init_scale=init,
+                optimizer="sgd", lr=float(bptt), clip_norm=clip / bptt, lr_decay=decay,
+                decay_after=decay_after, epochs=epochs)
+
+
+PRESETS: dict[str, tuple[str, dict]] = {
+    "ptb-small": ("ptb_word_lm.py small: 2x200 LSTM, bptt 20, 13 epochs, no dropout",
+                  _zaremba(hidden=200, bptt=20, init=0.1, clip=5.0, dropout=0.0, decay=0.5,
+                           decay_after=4, epochs=13)),
+    "ptb-medium": ("ptb_word_lm.py medium: 2x650 LSTM, bptt 35, 39 epochs, dropout 0.5",
+                   _zaremba(hidden=650, bptt=35, init=0.05, clip=5.0, dropout=0.5,
+                            decay=0.8, decay_after=6, epochs=39)),
+    "ptb-large": ("ptb_word_lm.py large: 2x1500 LSTM, bptt 35, 55 epochs, dropout 0.65",
+                  _zaremba(hidden=1500, bptt=35, init=0.04, clip=10.0, dropout=0.65,
+                           decay=1 / 1.15, decay_after=14, epochs=55)),
+}
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The destinations of the flags that appear in ``argv`` (``--lr 1`` or ``--lr=1``)."""
+    by_option = {opt: action.dest for action in parser._actions for opt in action.option_strings}
+    given = set()
+    for arg in argv:
+        if arg == "--":
+            break
+        name = arg.split("=", 1)[0]
+        if name in by_option:
+            given.add(by_option[name])
+    return given
+
+
+def apply_preset(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                 argv: Sequence[str], presets: Mapping[str, tuple[str, dict]] = PRESETS
+                 ) -> dict:
+    """Sets ``args.preset``'s values on ``args`` except where a flag was given.
+
+    Returns:
+      The values taken from the preset (empty without ``--preset``).
+
+    Raises:
+      ConfigError: an unknown preset name.
+    """
+    if not args.preset:
+        return {}
+    if args.preset not in presets:
+        raise ConfigError(f"unknown --preset {args.preset!r}; expected one of: "
+                          f"{', '.join(presets)}")
+    given = given_flags(parser, argv)
+    taken = {dest: value for dest, value in presets[args.preset][1].items()
+             if dest not in given}
+    for dest, value in taken.items():
+        setattr(args, dest, value)
+    return taken
+
+
+def describe(parser: argparse.ArgumentParser, values: Mapping[str, object]) -> str:
+    """``--bptt 20 --lr 20.0 ...``: preset values as the flags they stand for."""
+    flag = {action.dest: action.option_strings[-1] for action in parser._actions
+            if action.option_strings}
+    return " ".join(f"{flag[dest]} {value}" for dest, value in values.items())
