@@ -48,6 +48,32 @@ def test_tied_embeddings_share_the_matrix():
     assert "rnn_lm/softmax/kernel" not in paths and "rnn_lm/softmax/bias" in paths
 
 
+def test_tied_embeddings_with_a_wider_rnn_project_to_the_embedding_width():
+    model = build_model(ModelConfig(embed_dim=8, hidden_dim=16, tie_embeddings=True), 20)
+    shapes = {v.path: tuple(v.shape) for v in model.trainable_variables}
+    assert shapes["rnn_lm/softmax/projection"] == (16, 8)
+    assert "rnn_lm/softmax/kernel" not in shapes and shapes["rnn_lm/embedding/embeddings"] == \
+        (20, 8)
+    logits, _ = model(tf.constant([[2, 3, 4]]))
+    h = model.run_rnn(0, *model.embed(tf.constant([[2, 3, 4]])))[0]
+    want = h.numpy() @ model.softmax.projection.numpy() @ \
+        model.embedding.embeddings.numpy().T + model.softmax.bias.numpy()
+    np.testing.assert_allclose(logits.numpy(), want, atol=1e-5)
+
+
+def test_weight_decay_shrinks_every_weight_by_lr_times_decay():
+    from tfpar.config import Config, TrainConfig
+    from tfpar.training.schedule import optimizer_factory
+
+    model = build_model(ModelConfig(embed_dim=8, hidden_dim=8), 20)
+    config = Config(train=TrainConfig(optimizer="sgd", lr=0.5, weight_decay=0.1))
+    optimizer = optimizer_factory(config, 1)(tf.Variable(0, dtype=tf.int64))
+    before = [v.numpy() for v in model.trainable_variables]
+    optimizer.apply_gradients([(tf.zeros_like(v), v) for v in model.trainable_variables])
+    for old, v in zip(before, model.trainable_variables):
+        np.testing.assert_allclose(v.numpy(), old * (1 - 0.5 * 0.1), rtol=1e-6, atol=1e-7)
+
+
 def test_every_layer_is_in_a_checkpoint(tmp_path):
     model = build_model(ModelConfig(embed_dim=8, hidden_dim=8, layers=2, dropout=0.1), 20)
     model(tf.constant([[2, 3]]), training=True)  # advances the dropout RNG

@@ -18,7 +18,7 @@ from tfpar.parallel.cluster.tf_config import parse_tf_config
 from tfpar.objective import step as steps
 from tfpar.training import summaries
 from tfpar.tools.cli import train_main
-from tfpar.config import Config, DataConfig, ModelConfig, RunConfig
+from tfpar.config import Config, DataConfig, ModelConfig, RunConfig, TrainConfig
 from tfpar.errors import ConfigError
 from tfpar.model.lm import build_model
 from tfpar.parallel import parameter_server as ps
@@ -113,6 +113,8 @@ def test_sharded_gradients_and_updates_match_unsharded_ones(tmp_path):
     (Config(data=DataConfig(mode="stream")), "--mode stream carries the RNN state"),
     (Config(run=RunConfig(profile_steps=(2, 3))), "--profile-steps profiles steps in the "
                                                    "training process"),
+    (Config(train=TrainConfig(weight_decay=0.01)), "--weight-decay 0.01: parameter_server "
+                                                   "updates variables one by one"),
 ])
 def test_settings_asynchronous_training_cannot_honour(config, message):
     tf_config = ps_config()

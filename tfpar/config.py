@@ -126,11 +126,6 @@ class ModelConfig:
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout!r}")
         _non_negative("init-scale", self.init_scale)
-        if self.tie_embeddings and self.embed_dim != self.hidden_dim:
-            raise ConfigError(
-                f"--tie-embeddings needs embed-dim == hidden-dim, got {self.embed_dim} and "
-                f"{self.hidden_dim}"
-            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,12 +162,16 @@ class TrainConfig:
     on_nan: str = "stop"
     # --on-nan skip gives up after this many non-finite batches in a row (0: never).
     nan_patience: int = 10
+    # Decoupled weight decay (Loshchilov & Hutter): each step w -= lr * weight_decay * w,
+    # on every weight (Keras optimizers' weight_decay).
+    weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("scale-lr", self.scale_lr, SCALE_LR)
         _choice("on-nan", self.on_nan, ON_NAN)
         _non_negative("nan-patience", self.nan_patience)
+        _non_negative("weight-decay", self.weight_decay)
         _positive("lr", self.lr)
         _positive("lr-decay", self.lr_decay)
         _non_negative("decay-after", self.decay_after)

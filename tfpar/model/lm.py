@@ -58,7 +58,8 @@ class RNNLanguageModel(keras.Model):
             setattr(self, f"dropout_{i}",
                     keras.layers.Dropout(config.dropout, seed=seed + i, name=f"dropout_{i}"))
         if config.tie_embeddings:
-            self.softmax = TiedSoftmax(self.embedding, matmul_dtype=matmul_dtype, name=SOFTMAX)
+            self.softmax = TiedSoftmax(self.embedding, matmul_dtype=matmul_dtype, name=SOFTMAX,
+                                       projection_initializer=init or "glorot_uniform")
         else:
             self.softmax = (LowPrecisionDense if matmul_dtype else keras.layers.Dense)(
                 vocab_size, name=SOFTMAX, **({"kernel_initializer": init} if init else {})
@@ -129,20 +130,33 @@ class RNNLanguageModel(keras.Model):
 
 
 class TiedSoftmax(keras.layers.Layer):
-    """Logits ``h @ E^T + b`` that reuse the embedding matrix ``E`` (Press & Wolf, 2017)."""
+    """Logits ``h @ E^T + b`` that reuse the embedding matrix ``E`` [V, E] (Press & Wolf,
+    2017; Inan et al., 2017). When the RNN's width H differs from E, ``h`` [.., H] is first
+    projected to E by a learned ``projection`` [H, E] (no bias), so a wide RNN can keep a
+    narrow tied table."""
 
-    def __init__(self, embedding: keras.layers.Embedding, *, matmul_dtype=None, **kwargs):
+    def __init__(self, embedding: keras.layers.Embedding, *, matmul_dtype=None,
+                 projection_initializer="glorot_uniform", **kwargs):
         super().__init__(**kwargs)
         self._embedding = embedding
         self.matmul_dtype = matmul_dtype
+        self.projection_initializer = projection_initializer
+        self.projection = None
         self.supports_masking = True
 
     def build(self, input_shape):
+        width = int(input_shape[-1])
+        if width != self._embedding.output_dim:
+            self.projection = self.add_weight(
+                shape=(width, self._embedding.output_dim), name="projection",
+                initializer=self.projection_initializer)
         self.bias = self.add_weight(
             shape=(self._embedding.input_dim,), initializer="zeros", name="bias"
         )
 
     def call(self, x):
+        if self.projection is not None:
+            x = _matmul(x, self.projection, self.matmul_dtype)
         return _matmul(x, self._embedding.embeddings, self.matmul_dtype, transpose_b=True) \
             + self.bias
 

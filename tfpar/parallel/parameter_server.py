@@ -223,6 +223,11 @@ class Coordinator:
             raise ConfigError("--mode stream carries the RNN state from one window to the next, "
                               "which asynchronous workers cannot do; use --mode sentence with "
                               "--strategy parameter_server")
+        if config.train.weight_decay:
+            raise ConfigError(f"--weight-decay {config.train.weight_decay}: parameter_server "
+                              "updates variables one by one with the optimizer's update_step, "
+                              "which leaves weight decay out; use a synchronous strategy or "
+                              "--weight-decay 0")
         if config.run.profile_steps:
             raise ConfigError("--profile-steps profiles steps in the training process, but "
                               "parameter_server steps run on the workers; profile a "

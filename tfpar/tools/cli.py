@@ -98,7 +98,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-dim", type=int, default=256, help="RNN state width")
     g.add_argument("--dropout", type=float, default=0.0, help="dropout rate (0: off)")
     g.add_argument("--tie-embeddings", action="store_true",
-                   help="share the embedding with the softmax (embed-dim == hidden-dim)")
+                   help="share the embedding with the softmax (a learned hidden-dim x "
+                        "embed-dim projection before it when the two differ)")
     g.add_argument("--init-scale", type=float, default=0.0,
                    help="uniform init in [-s, s] for every weight (0: Keras defaults)")
     g.add_argument("--precision", default="fp32",
@@ -115,6 +116,8 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scale-lr", default="none",
                    help="none | linear (multiply LR by the replica count; use warm-up)")
     g.add_argument("--warmup-steps", type=int, default=0, help="linear LR warm-up steps")
+    g.add_argument("--weight-decay", type=float, default=0.0,
+                   help="decoupled weight decay: each step w -= lr * wd * w (default 0: off)")
     g.add_argument("--clip-norm", type=float, default=5.0,
                    help="clip the aggregated gradient's global norm (0: off)")
     g.add_argument("--epochs", type=int, default=1, help="passes over train (default: %(default)s; keeps `make train` under 3 minutes)")
@@ -216,7 +219,7 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
             scale_lr=a.scale_lr, warmup_steps=a.warmup_steps, clip_norm=a.clip_norm,
             epochs=a.epochs, max_steps=a.max_steps, batch_size=a.batch_size,
             eval_batch_size=a.eval_batch_size, seed=a.seed, deterministic=a.deterministic,
-            on_nan=a.on_nan, nan_patience=a.nan_patience,
+            on_nan=a.on_nan, nan_patience=a.nan_patience, weight_decay=a.weight_decay,
         ),
         dist=dist_config_from_args(a),
         run=cfg.RunConfig(

@@ -52,8 +52,9 @@ def optimizer_factory(config: Config, num_replicas: int):
         schedule = EpochSchedule(base_learning_rate(config, num_replicas),
                                  config.train.lr_decay, config.train.decay_after,
                                  config.train.warmup_steps, epoch)
+        decay = config.train.weight_decay or None
         if config.train.optimizer == "sgd":
-            return keras.optimizers.SGD(learning_rate=schedule)
-        return keras.optimizers.Adam(learning_rate=schedule)
+            return keras.optimizers.SGD(learning_rate=schedule, weight_decay=decay)
+        return keras.optimizers.Adam(learning_rate=schedule, weight_decay=decay)
 
     return make
