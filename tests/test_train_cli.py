@@ -201,3 +201,17 @@ def test_moving_to_or_from_parameter_server_warns_that_updates_stop_being_exact(
     with caplog.at_level("WARNING", logger="tfpar"):
         check_config_file(str(tmp_path), Config(dist=DistConfig(strategy="tower")), True)
     assert caplog.text == ""  # synchronous to synchronous: exact, nothing to say
+
+
+def test_time_limit_stops_training_then_evaluates_and_checkpoints(tiny_args, tmp_path, capsys):
+    args = with_flag(with_flag(tiny_args + ["--no-export", "--time-limit", "0.0005"],
+                               "--max-steps", "0"), "--epochs", "50")
+    assert train_main(args) == 0
+    err = capsys.readouterr().err
+    assert "--time-limit 0.0005 min reached after step" in err
+    steps = json.loads((tmp_path / "metrics.json").read_text())["steps"]
+    assert 1 <= steps < 50  # far fewer than 50 epochs of batches
+    state = tf.train.get_checkpoint_state(str(tmp_path / "run" / "checkpoints"))
+    assert state.model_checkpoint_path.endswith(f"ckpt-{steps}")
+    code, err = cli_error(tiny_args + ["--time-limit", "-1"], capsys)
+    assert code == 2 and err.startswith("error: time-limit must be >= 0, got -1.0")

@@ -165,6 +165,9 @@ class TrainConfig:
     # Decoupled weight decay (Loshchilov & Hutter): each step w -= lr * weight_decay * w,
     # on every weight (Keras optimizers' weight_decay).
     weight_decay: float = 0.0
+    # Stop training after this many minutes of the loop (0: no limit), then evaluate and
+    # export as at the end; a run resumed later gets the limit anew.
+    time_limit: float = 0.0
 
     def __post_init__(self) -> None:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -172,6 +175,7 @@ class TrainConfig:
         _choice("on-nan", self.on_nan, ON_NAN)
         _non_negative("nan-patience", self.nan_patience)
         _non_negative("weight-decay", self.weight_decay)
+        _non_negative("time-limit", self.time_limit)
         _positive("lr", self.lr)
         _positive("lr-decay", self.lr_decay)
         _non_negative("decay-after", self.decay_after)

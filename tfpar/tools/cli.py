@@ -122,6 +122,9 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
                    help="clip the aggregated gradient's global norm (0: off)")
     g.add_argument("--epochs", type=int, default=1, help="passes over train (default: %(default)s; keeps `make train` under 3 minutes)")
     g.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: no limit)")
+    g.add_argument("--time-limit", type=float, default=0.0,
+                   help="stop training after this many minutes (checkpoint, then evaluate "
+                        "and export as at the end; 0: no limit)")
     g.add_argument("--batch-size", type=int, default=64,
                    help="GLOBAL batch: sentences (or stream columns) over all replicas")
     g.add_argument("--eval-batch-size", type=int, default=0,
@@ -220,6 +223,7 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
             epochs=a.epochs, max_steps=a.max_steps, batch_size=a.batch_size,
             eval_batch_size=a.eval_batch_size, seed=a.seed, deterministic=a.deterministic,
             on_nan=a.on_nan, nan_patience=a.nan_patience, weight_decay=a.weight_decay,
+            time_limit=a.time_limit,
         ),
         dist=dist_config_from_args(a),
         run=cfg.RunConfig(

@@ -64,6 +64,7 @@ class Loop:
         self.carried_in = None  # and the state the last window started from
         self.first_bad = (0, None)  # position and state of the first of bad_in_a_row
         self.epoch_began = (time.perf_counter(), Progress())  # for the epoch's log line
+        self.started, self.timed_out = time.monotonic(), False  # for --time-limit
         checkpointer.before_save = self.store_carry
         self.stop_signal = StopSignal()
         self.bar = ProgressHook() if config.run.progress else None
@@ -77,8 +78,18 @@ class Loop:
         return self.state.step
 
     def done(self) -> bool:
+        """--max-steps reached, or --time-limit minutes of training spent."""
         max_steps = self.config.train.max_steps
-        return bool(max_steps) and self.step >= max_steps
+        if max_steps and self.step >= max_steps:
+            return True
+        limit = self.config.train.time_limit
+        if limit and time.monotonic() - self.started >= 60.0 * limit:
+            if not self.timed_out:
+                log.info("--time-limit %g min reached after step %d: stopping training",
+                         limit, self.step)
+                self.timed_out = True
+            return True
+        return False
 
     def run(self) -> Progress:
         with self.stop_signal:
