@@ -15,7 +15,6 @@ usage error. The logic lives in ``tfpar.tools.faults``; ``--help`` on each subco
 lists its flags.
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -23,9 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv=None) -> int:
-    # Quiet TensorFlow's C++ start-up chatter (this process reads checkpoints, and the
-    # train.py children inherit it); TF reads it once, when it is imported.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from tfpar.tools.faults import main as faults_main
 
     return faults_main(argv)

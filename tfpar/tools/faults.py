@@ -66,20 +66,11 @@ EXPORT_NAME = "tfpar_lm"
 
 # ------------------------------------------------------------------ checkpoints, compare
 def _tensorflow():
-    """TensorFlow, imported (the first time) with file descriptor 2 closed: its C++
-    libraries print start-up notes there before any log level applies."""
-    if "tensorflow" not in sys.modules:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(devnull, 2)
-            import tensorflow  # noqa: F401
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            os.close(devnull)
-    return sys.modules["tensorflow"]
+    """TensorFlow, imported on first use (``scripts/faults.py`` quiets its native
+    start-up lines with :mod:`tfpar.tools.console` before anything imports it)."""
+    import tensorflow
+
+    return tensorflow
 
 
 def checkpoint_tensors(model_dir: str | os.PathLike) -> dict[str, np.ndarray]:
