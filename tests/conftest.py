@@ -19,6 +19,18 @@ configure_cpu_devices(NUM_TEST_DEVICES)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def host_has_gpus() -> bool:
+    import tensorflow as tf
+
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+# For tests of what tfpar does on a host without GPUs (errors for NCCL, one replica per
+# multi-worker CPU); on a GPU host those paths are valid and tested by running them.
+without_gpus = pytest.mark.skipif(host_has_gpus(), reason="checks the behaviour on a host "
+                                  "without GPUs; this host has GPUs")
+
+
 def shared_data_dir() -> str:
     """The shared corpora folder (``../shared/data``), overridable by TFPAR_SHARED_DATA."""
     return os.environ.get("TFPAR_SHARED_DATA",

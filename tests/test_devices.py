@@ -38,6 +38,7 @@ from tfpar.parallel import devices
 from tfpar.tools.cli import prepare_runtime
 from tfpar.config import DistConfig
 devices.host_cores = lambda: 4
+devices.num_gpus = lambda: 0  # the rule for a CPU-only host, on any host
 prepare_runtime(DistConfig(strategy="mirrored", cpu_devices=2))
 print(tf.config.threading.get_intra_op_parallelism_threads(),
       len(tf.config.list_logical_devices("CPU")))

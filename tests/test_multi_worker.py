@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import without_gpus
 from tfpar.tools.cli import train_main
 from tfpar.data.pipeline import per_replica
 from tfpar.parallel import multi_worker
@@ -74,10 +75,12 @@ def worker_config(address="127.0.0.1:1", index=0, workers=2):
     ("{'cluster': 1}", [], "error: TF_CONFIG is not valid JSON"),
     ('{"task": {"type": "worker", "index": 0}}', [], 'error: TF_CONFIG has no "cluster"'),
     (worker_config(index=5), [], "error: TF_CONFIG task index 5 is out of range"),
-    (worker_config(), ["--communication", "nccl"],
-     "error: --communication nccl needs GPUs on every worker, but this worker has none"),
-    (worker_config(), ["--cpu-devices", "2"],
-     "error: --cpu-devices 2: multi_worker runs one replica per worker on a host without GPUs"),
+    pytest.param(worker_config(), ["--communication", "nccl"],
+                 "error: --communication nccl needs GPUs on every worker, but this worker has "
+                 "none", marks=without_gpus),
+    pytest.param(worker_config(), ["--cpu-devices", "2"],
+                 "error: --cpu-devices 2: multi_worker runs one replica per worker on a host "
+                 "without GPUs", marks=without_gpus),
 ])
 def test_cluster_errors_are_one_line(tf_config, extra, message, tiny_args, monkeypatch, capsys):
     if tf_config is None:

@@ -393,8 +393,8 @@ def test_stages_that_do_not_fit_the_model_fail_before_training(stages, match):
 
 
 @pytest.mark.parametrize("dist,error,match", [
-    (DistConfig(strategy="pipeline", stages="embedding=/cpu:0,rnn=/gpu:0,softmax=/cpu:1"),
-     DeviceError, r"device '/gpu:0' does not exist on this host; available: /cpu:0"),
+    (DistConfig(strategy="pipeline", stages="embedding=/cpu:0,rnn=/gpu:63,softmax=/cpu:1"),
+     DeviceError, r"device '/gpu:63' does not exist on this host; available: /cpu:0"),
     (DistConfig(strategy="pipeline", stages="embedding=/cpu:0,rnn=/cpu:9,softmax=/cpu:1"),
      DeviceError, r"device '/cpu:9' does not exist on this host"),
     (DistConfig(strategy="pipeline", stages="embedding=cpu-zero,rnn=/cpu:1,softmax=/cpu:1"),

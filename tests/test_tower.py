@@ -275,7 +275,7 @@ def test_default_variable_device():
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("devices", ("/cpu:0", "/gpu:0"), r"device '/gpu:0' does not exist on this host; available"),
+    ("devices", ("/cpu:0", "/gpu:63"), r"device '/gpu:63' does not exist on this host; available"),
     ("variable_device", "/gpu:3", r"device '/gpu:3' does not exist on this host"),
     ("variable_device", "cpu-zero", r"cannot parse device name 'cpu-zero'"),
 ])
@@ -293,16 +293,16 @@ def soft_placement():
 
 
 def test_soft_placement_lets_a_tower_fall_back(soft_placement):
-    """A tower on a device TF cannot serve (no GPU here) fails without soft placement, and
+    """A tower on a device TF cannot serve (no host has GPU 63) fails without soft placement, and
     falls back with it (TF1's allow_soft_placement), computing the same result."""
     batch = batch_of([[5, 6, 7, 2], [8, 9, 2, 0]])
     ref_plugin, ref_model, _ = fresh(DistConfig())
     ref = ref_plugin.make_eval_step(ref_model)(batch)
-    plugin = TowerPlugin(["/device:GPU:0", CPU[1]], CPU[0], "controller")
+    plugin = TowerPlugin(["/device:GPU:63", CPU[1]], CPU[0], "controller")
     _, model, _ = fresh(plugin)
 
     soft_placement(False)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="GPU:0"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match="GPU:63"):
         plugin.make_eval_step(model)(batch)
     soft_placement(True)
     out = plugin.make_eval_step(model)(batch)
@@ -336,6 +336,6 @@ def test_train_main_tower_trains_and_exports(tiny_args, tmp_path, extra):
 
 
 def test_train_main_tower_missing_device_is_a_one_line_error(tiny_args, capsys):
-    assert cli.train_main(tiny_args + ["--strategy", "tower", "--devices", "/gpu:0"]) == 2
+    assert cli.train_main(tiny_args + ["--strategy", "tower", "--devices", "/gpu:63"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: device '/gpu:0' does not exist on this host")
+    assert err[-1].startswith("error: device '/gpu:63' does not exist on this host")
