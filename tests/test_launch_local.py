@@ -128,14 +128,21 @@ def small_run(tmp_path, strategy, max_steps, every, *extra):
             *extra]
 
 
-def checkpoint(tmp_path, step):
-    return (tmp_path / "run" / "checkpoints" / f"ckpt-{step}.index").exists
-
-
 def latest_step(tmp_path) -> int:
-    steps = [int(p.name[len("ckpt-"):-len(".index")])
-             for p in (tmp_path / "run" / "checkpoints").glob("ckpt-*.index")]
-    return max(steps, default=0)
+    """The step of the checkpoint the manager's state file names (0: none yet). A
+    checkpoint's files exist a moment before the state file names it, and a restart
+    resumes from the named one, so tests wait on this, not on the files."""
+    state = tmp_path / "run" / "checkpoints" / "checkpoint"
+    try:
+        text = state.read_text()
+    except OSError:
+        return 0
+    found = re.search(r'^model_checkpoint_path: "ckpt-(\d+)"', text, re.M)
+    return int(found.group(1)) if found else 0
+
+
+def checkpoint(tmp_path, step):
+    return lambda: latest_step(tmp_path) >= step
 
 
 def resumed_steps(log: str) -> list[int]:
