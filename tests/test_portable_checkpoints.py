@@ -5,9 +5,9 @@ In stream mode the checkpoint carries the recurrent state in global form ([B, H]
 layer), so it moves too."""
 
 import pytest
-import tensorflow as tf
 
 from tfpar.tools.cli import train_main
+from tfpar.tools.faults import checkpoint_tensors
 
 STRATEGIES = {
     "default": ["--strategy", "default"],
@@ -31,11 +31,7 @@ def run(corpus, model_dir, strategy, steps, mode):
 
 def weights(model_dir):
     """Every checkpointed tensor: weights, slots, counters, RNG states, carried state."""
-    reader = tf.train.load_checkpoint(str(model_dir / "checkpoints"))
-    return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
-            if not k.startswith(("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter"))}
-
-
+    return checkpoint_tensors(model_dir)
 
 
 @pytest.fixture(scope="module")
