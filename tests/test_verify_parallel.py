@@ -5,6 +5,7 @@ import json
 import types
 
 import numpy as np
+import tensorflow as tf
 import pytest
 
 import tfpar.parallel
@@ -210,3 +211,31 @@ def test_help_explains_the_optimizer_and_the_clip_norm():
     assert "SGD" in text and "Adam" in text and "--tolerance" in text
     assert "--momentum" in text and "slots are compared" in text
     assert "median gradient norm" in text and "some steps are clipped and some not" in text
+
+
+REGULARISED = ["--layers", "2", "--dropout", "0.3", "--embed-dropout", "0.1",
+               "--weight-drop", "0.3"]
+
+
+@pytest.mark.parametrize("mode,strategies,extra", [
+    ("sentence", "mirrored:2,pipeline:2", []),
+    ("stream", "tower:3", ["--locked-dropout"]),
+])
+def test_verify_passes_with_every_kind_of_dropout_on(mode, strategies, extra, capsys):
+    """Masks keyed by the rows' places in the global batch: N devices (uneven shards,
+    micro-batches) give one device's update with dropout on."""
+    argv = ["--strategies", strategies, "--mode", mode, *REGULARISED, *extra, *SMALL]
+    assert verify.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"all {len(strategies.split(','))} strategies match default" in out
+
+
+def test_verify_fails_when_replicas_key_masks_by_their_local_rows(monkeypatch, capsys):
+    """What the test above guards: a replica drawing masks for rows 0..b-1 of its own
+    share (as per-replica generators do) gives a different update."""
+    import tfpar.model.lm as lm
+
+    monkeypatch.setattr(lm, "global_rows", lambda batch_rows, rows: tf.range(batch_rows))
+    argv = ["--strategies", "mirrored:2", *REGULARISED, *SMALL]
+    assert verify.main(argv) == 1
+    assert "FAIL mirrored:2: max |dtheta|" in capsys.readouterr().out

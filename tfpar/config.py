@@ -106,8 +106,24 @@ class ModelConfig:
     embed_dim: int = 128
     # Recurrent state width of every layer.
     hidden_dim: int = 256
-    # Dropout rate after the embedding and after every recurrent layer (0: off).
+    # Dropout rate after the embedding and after every recurrent layer (0: off); the
+    # three sites below override it one by one (None: this rate).
     dropout: float = 0.0
+    # ... on the embedding output (AWD-LSTM's dropouti),
+    dropout_input: float | None = None
+    # ... between recurrent layers (dropouth),
+    dropout_hidden: float | None = None
+    # ... on the last layer's output, before the softmax (dropout).
+    dropout_output: float | None = None
+    # Variational ("locked") dropout: one mask per sequence, shared by all its time steps
+    # (Gal & Ghahramani 2016), instead of one per token.
+    locked_dropout: bool = False
+    # Embedding (word-type) dropout: a whole word's vector is dropped for a step, in
+    # every position it appears (Gal & Ghahramani 2016; AWD-LSTM's dropoute).
+    embed_dropout: float = 0.0
+    # Weight drop (DropConnect) on every recurrent matrix, one mask per step (Wan et al.
+    # 2013; Merity et al. 2017's wdrop).
+    weight_drop: float = 0.0
     # Share the embedding matrix with the softmax (needs embed_dim == hidden_dim).
     tie_embeddings: bool = False
     # Initialise every weight uniformly in [-init_scale, init_scale] (0: Keras defaults).
@@ -123,9 +139,23 @@ class ModelConfig:
         _positive("layers", self.layers)
         _positive("embed-dim", self.embed_dim)
         _positive("hidden-dim", self.hidden_dim)
-        if not 0 <= self.dropout < 1:
-            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        for name in ("dropout", "dropout_input", "dropout_hidden", "dropout_output",
+                     "embed_dropout", "weight_drop"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be in [0, 1), got {value!r}")
         _non_negative("init-scale", self.init_scale)
+
+    def dropout_at(self, site: str) -> float:
+        """The rate at ``site``: "input", "hidden" or "output"."""
+        rate = getattr(self, f"dropout_{site}")
+        return self.dropout if rate is None else rate
+
+    @property
+    def regularised(self) -> bool:
+        """Whether training draws any random mask."""
+        return bool(self.embed_dropout or self.weight_drop
+                    or any(self.dropout_at(s) for s in ("input", "hidden", "output")))
 
 
 @dataclasses.dataclass(frozen=True)

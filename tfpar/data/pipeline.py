@@ -112,8 +112,15 @@ def shard_bounds(rows: tf.Tensor, num_shards: int, index: tf.Tensor) -> tuple[tf
 
 
 def shard_rows(batch: dict, num_shards: int, index: int | tf.Tensor) -> dict:
-    """Rows of ``batch`` that belong to shard ``index``; never empty (see module doc)."""
+    """Rows of ``batch`` that belong to shard ``index``; never empty (see module doc).
+
+    The shard also gets "rows" [b] int32, its rows' indices in ``batch`` (kept from
+    ``batch`` when it has them, so a shard of a shard still knows its global rows): they
+    key the dropout masks, so a replica draws the masks one device draws for its rows.
+    """
     start, size = shard_bounds(tf.shape(batch["targets"])[0], num_shards, index)
+    if "rows" not in batch:
+        batch = {**batch, "rows": tf.range(tf.shape(batch["targets"])[0], dtype=tf.int32)}
     # An empty shard becomes one all-padding row: Keras RNN kernels reject 0-row
     # batches, and a padding row contributes exactly zero loss and zero gradient.
     return {

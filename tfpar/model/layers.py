@@ -356,6 +356,9 @@ class _FastRecurrence:
     def __init__(self, units, *, matmul_dtype: str | None = None, **kwargs):
         super().__init__(units, **kwargs)
         self.matmul_dtype = matmul_dtype
+        # Weight drop: maps the recurrent matrix [H, kH] to the one a training step uses
+        # (set by the model; None: the matrix itself).
+        self.recurrent_noise = None
 
     def _covered(self) -> bool:
         return _default_math(self)
@@ -364,13 +367,17 @@ class _FastRecurrence:
         if isinstance(mask, (list, tuple)):
             mask = mask[0]
         if not self._covered():
+            if self.recurrent_noise is not None:
+                raise ValueError("weight drop needs the default LSTM/GRU math")
             return super().inner_loop(sequences, initial_state, mask, training=training)
         if not isinstance(initial_state, (list, tuple)):
             initial_state = [initial_state]
         cell = self.cell
+        recurrent_kernel = _value(cell.recurrent_kernel)
+        if training and self.recurrent_noise is not None:
+            recurrent_kernel = self.recurrent_noise(recurrent_kernel)
         return self._fast(_dropped(self, sequences, training), list(initial_state), mask,
-                          _value(cell.kernel), _value(cell.recurrent_kernel),
-                          _value(cell.bias))
+                          _value(cell.kernel), recurrent_kernel, _value(cell.bias))
 
     def get_config(self):
         return {**super().get_config(), "matmul_dtype": self.matmul_dtype}

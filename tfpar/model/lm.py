@@ -1,7 +1,9 @@
 """The Keras 3 RNN language model.
 
-``inputs`` [B, T] int32 → embedding (``mask_zero``) → ``layers`` × LSTM/GRU → dropout →
-dense softmax logits [B, T, V]. Every part has its own layer name (``embedding``,
+``inputs`` [B, T] int32 → embedding (``mask_zero``) → ``layers`` × LSTM/GRU → dense
+softmax logits [B, T, V], with dropout (per token or locked) on the embedding output,
+between layers and before the softmax, word-type dropout on the embedding and weight
+drop on the recurrent matrices, all drawn by ``tfpar.model.noise``. Every part has its own layer name (``embedding``,
 ``rnn_0`` … ``rnn_{L-1}``, ``softmax``) so the pipeline strategy can place parts on
 devices by name. The call also takes and returns the recurrent state, so stream mode can
 carry it across windows and generation can feed one token at a time.
@@ -16,6 +18,7 @@ import tensorflow as tf
 
 from tfpar.config import ModelConfig
 from tfpar.model.layers import FastGRU, FastLSTM
+from tfpar.model.noise import Noise, global_rows
 
 EMBEDDING, SOFTMAX = "embedding", "softmax"
 
@@ -54,9 +57,12 @@ class RNNLanguageModel(keras.Model):
                 matmul_dtype=matmul_dtype,
                 **({"kernel_initializer": init, "recurrent_initializer": init} if init else {}),
             ))
-        for i in range(config.layers + 1):
-            setattr(self, f"dropout_{i}",
-                    keras.layers.Dropout(config.dropout, seed=seed + i, name=f"dropout_{i}"))
+        # Every random mask: a function of (seed, step, site, global row), not of the
+        # device (tfpar.model.noise).
+        self.noise = Noise(seed)
+        if config.weight_drop:
+            for i, rnn in enumerate(self.rnns):
+                rnn.recurrent_noise = self._weight_drop(i)
         if config.tie_embeddings:
             self.softmax = TiedSoftmax(self.embedding, matmul_dtype=matmul_dtype, name=SOFTMAX,
                                        projection_initializer=init or "glorot_uniform")
@@ -69,26 +75,33 @@ class RNNLanguageModel(keras.Model):
     def rnns(self) -> list:
         return [getattr(self, rnn_name(i)) for i in range(self.config.layers)]
 
-    @property
-    def dropouts(self) -> list:
-        return [getattr(self, f"dropout_{i}") for i in range(self.config.layers + 1)]
+    def _weight_drop(self, i: int):
+        site = self.config.layers + 2 + i
 
-    def seed_states(self) -> dict:
-        """The dropout layers' RNG state variables, by layer name.
+        def drop(recurrent_kernel):
+            mask = self.noise.shared(tf.shape(recurrent_kernel), self.config.weight_drop, site)
+            return recurrent_kernel * tf.cast(mask, recurrent_kernel.dtype)
+        return drop
 
-        Keras keeps them out of the layer's checkpoint dependencies; the training
-        checkpoint adds them explicitly so a resumed run draws the same dropout masks.
-        """
-        return {d.name: d.seed_generator.state for d in self.dropouts
-                if getattr(d, "seed_generator", None) is not None}
+    def _dropout(self, x, i: int, rows, training):
+        """Dropout site ``i`` (0: embedding output, i: after layer i) on [B, T, D] ``x``."""
+        site = "input" if i == 0 else "output" if i == self.config.layers else "hidden"
+        rate = self.config.dropout_at(site)
+        if not (training and rate):
+            return x
+        return self.noise.per_row(x, rate, i, global_rows(tf.shape(x)[0], rows),
+                                  locked=self.config.locked_dropout)
 
     @property
     def state_size(self) -> int:
         """Tensors of state per layer: 2 for LSTM (h, c), 1 for GRU."""
         return 2 if self.config.cell == "lstm" else 1
 
-    def embed(self, inputs, training=False):
-        """[B, T] ids → ([B, T, E] vectors, [B, T] bool mask)."""
+    def embed(self, inputs, training=False, rows=None):
+        """[B, T] ids → ([B, T, E] vectors, [B, T] bool mask).
+
+        ``rows``: [B] int32, the rows' indices in the global batch (None: 0..B-1); they
+        key the dropout masks (tfpar.model.noise)."""
         if not self.fixed_shapes and not tf.executing_eagerly():
             # Forget the static [B, T] of the batch this graph is traced with. With
             # reduce_retracing a step function's first trace has exact shapes and later
@@ -98,15 +111,20 @@ class RNNLanguageModel(keras.Model):
             # uninterrupted one exactly.
             inputs = tf.raw_ops.PlaceholderWithDefault(input=inputs, shape=[None, None])
         x = self.embedding(inputs)
-        return self.dropouts[0](x, training=training), tf.not_equal(inputs, 0)
+        if training and self.config.embed_dropout:
+            # Word-type dropout: word w's vector is dropped wherever w occurs this step.
+            keep = self.noise.shared([self.vocab_size], self.config.embed_dropout,
+                                     self.config.layers + 1)
+            x = x * tf.gather(keep, inputs)[..., None]
+        return self._dropout(x, 0, rows, training), tf.not_equal(inputs, 0)
 
-    def run_rnn(self, i: int, x, mask, state=None, training=False):
+    def run_rnn(self, i: int, x, mask, state=None, training=False, rows=None):
         """Layer ``i``: [B, T, D] → ([B, T, H], its final state as a list)."""
         out = self.rnns[i](x, mask=mask, initial_state=state, training=training)
         seq, final = out[0], list(out[1:])
-        return self.dropouts[i + 1](seq, training=training), final
+        return self._dropout(seq, i + 1, rows, training), final
 
-    def call(self, inputs, initial_state=None, training=False):
+    def call(self, inputs, initial_state=None, training=False, rows=None):
         """Runs the model.
 
         Args:
@@ -114,16 +132,18 @@ class RNNLanguageModel(keras.Model):
           initial_state: None (zeros) or a list with one entry per layer, each a list of
             [B, H] tensors (``state_size`` of them).
           training: enables dropout.
+          rows: [B] int32, the rows' indices in the global batch (None: 0..B-1).
 
         Returns:
           ``(logits [B, T, V], final_state)`` with ``final_state`` shaped like
           ``initial_state``.
         """
-        x, mask = self.embed(inputs, training=training)
+        x, mask = self.embed(inputs, training=training, rows=rows)
         finals = []
         for i in range(len(self.rnns)):
             x, final = self.run_rnn(
-                i, x, mask, None if initial_state is None else initial_state[i], training
+                i, x, mask, None if initial_state is None else initial_state[i], training,
+                rows=rows,
             )
             finals.append(final)
         return self.softmax(x), finals

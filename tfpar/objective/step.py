@@ -82,13 +82,16 @@ def forward(model, batch: dict, state=None, training: bool = False):
     """Runs the model on one batch.
 
     Args:
-      batch: {"inputs": [b, T] int32, "targets": [b, T] int32}.
+      batch: {"inputs": [b, T] int32, "targets": [b, T] int32}, and "rows" [b] int32
+        (the rows' indices in the global batch, which key the dropout masks) when the
+        rows are a replica's share (``tfpar.data.pipeline.shard_rows``).
       state: initial recurrent state (one list of [b, H] tensors per layer) or None.
 
     Returns:
       ``(nll_sum, count, final_state)``, float32 scalars and the state structure.
     """
-    logits, final = model(batch["inputs"], initial_state=state, training=training)
+    logits, final = model(batch["inputs"], initial_state=state, training=training,
+                          rows=batch.get("rows"))
     nll_sum, count = losses.nll_sum_and_count(logits, batch["targets"])
     return nll_sum, count, final
 
@@ -169,6 +172,10 @@ def make_train_step(plugin, model, optimizer, *, clip_norm: float):
       optimizer: the Keras optimizer, built in the same scope.
       clip_norm: clip the aggregated gradient to this global norm (0: no clipping).
     """
+
+    # Dropout masks are keyed by the optimizer's step (tfpar.model.noise): the same on
+    # every replica, and a resumed run draws what an uninterrupted one did.
+    model.noise.step = lambda: optimizer.iterations
 
     @tf.function(reduce_retracing=True)
     def train_step(batch, state=None):

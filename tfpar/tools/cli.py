@@ -96,7 +96,22 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--layers", type=int, default=1, help="stacked RNN layers")
     g.add_argument("--embed-dim", type=int, default=128, help="embedding width")
     g.add_argument("--hidden-dim", type=int, default=256, help="RNN state width")
-    g.add_argument("--dropout", type=float, default=0.0, help="dropout rate (0: off)")
+    g.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout rate on the embedding output, between layers and before "
+                        "the softmax (0: off); the next three flags override it per site")
+    for site, where in (("input", "the embedding output"), ("hidden", "between layers"),
+                        ("output", "the last layer's output (before the softmax)")):
+        g.add_argument(f"--dropout-{site}", type=float, default=None,
+                       help=f"dropout rate on {where} (default: --dropout)")
+    g.add_argument("--locked-dropout", action="store_true",
+                   help="variational dropout: one mask per sequence for all its time steps "
+                        "(default: one per token)")
+    g.add_argument("--embed-dropout", type=float, default=0.0,
+                   help="word-type dropout: drop a word's vector everywhere it occurs in a "
+                        "step (default 0: off)")
+    g.add_argument("--weight-drop", type=float, default=0.0,
+                   help="DropConnect on the recurrent matrices, one mask per step "
+                        "(default 0: off)")
     g.add_argument("--tie-embeddings", action="store_true",
                    help="share the embedding with the softmax (a learned hidden-dim x "
                         "embed-dim projection before it when the two differ)")
@@ -214,7 +229,10 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
         ),
         model=cfg.ModelConfig(
             cell=a.cell, layers=a.layers, embed_dim=a.embed_dim, hidden_dim=a.hidden_dim,
-            dropout=a.dropout, tie_embeddings=a.tie_embeddings, init_scale=a.init_scale,
+            dropout=a.dropout, dropout_input=a.dropout_input,
+            dropout_hidden=a.dropout_hidden, dropout_output=a.dropout_output,
+            locked_dropout=a.locked_dropout, embed_dropout=a.embed_dropout,
+            weight_drop=a.weight_drop, tie_embeddings=a.tie_embeddings, init_scale=a.init_scale,
             precision=a.precision,
         ),
         train=cfg.TrainConfig(

@@ -5,8 +5,11 @@ steps from the same initial weights on the same global batches, then compares ea
 final parameters and momentum slots and its (distributed) evaluation with the
 ``default`` strategy's. The batches are bucketed sentences of different lengths, so
 replicas hold unequal token counts, and a batch row count that the replica counts do not
-divide; dropout is off and the clip norm is the median gradient norm of the first steps,
-so clipped and unclipped steps are both exercised.
+divide; the clip norm is the median gradient norm of the first steps, so clipped and
+unclipped steps are both exercised. Dropout is off unless asked for (``--dropout``,
+``--locked-dropout``, ``--embed-dropout``, ``--weight-drop``): its masks are keyed by
+each row's place in the global batch (``tfpar.model.noise``), so with dropout on too N
+devices must give one device's update.
 
 Strategies are table-driven: :data:`RUNNERS` maps a name to a :class:`Runner` whose
 function trains N steps and returns a :class:`RunResult`. A new strategy adds one entry.
@@ -81,6 +84,11 @@ class VerifySpec:
     hidden_dim: int = 32
     layers: int = 1
     cell: str = "lstm"
+    # Regularisation (ModelConfig's fields of the same names); all off by default.
+    dropout: float = 0.0
+    locked_dropout: bool = False
+    embed_dropout: float = 0.0
+    weight_drop: float = 0.0
     # Generated corpus size (sentences); words are drawn from a 100-word language.
     train_sentences: int = 400
     valid_sentences: int = 60
@@ -184,7 +192,9 @@ def build_setup(spec: VerifySpec) -> Setup:
     data_config = DataConfig(mode=spec.mode, bptt=12, max_length=30)
     data = InputData(splits, Vocab.build(corpus.train), data_config, seed=spec.seed)
     model_config = ModelConfig(cell=spec.cell, layers=spec.layers, embed_dim=spec.embed_dim,
-                               hidden_dim=spec.hidden_dim, dropout=0.0)
+                               hidden_dim=spec.hidden_dim, dropout=spec.dropout,
+                               locked_dropout=spec.locked_dropout,
+                               embed_dropout=spec.embed_dropout, weight_drop=spec.weight_drop)
     with tf.device("/cpu:0"):
         model = build_model(model_config, len(data.vocab), seed=spec.seed)
         weights = model.get_weights()
@@ -424,7 +434,7 @@ def parser() -> argparse.ArgumentParser:
         description=(
             "Train each strategy for a few steps from the same initial weights on the same "
             "global batches (bucketed, variable-length sentences, so replicas hold unequal "
-            "token counts; dropout off; some steps clipped and some not) and check that its "
+            "token counts; some steps clipped and some not) and check that its "
             "final parameters, its momentum slots and its distributed eval perplexity match "
             "the default strategy's (one device). Exits 1 when any strategy is outside the "
             "tolerances. The optimizer is SGD with momentum: Adam divides by the root of the "
@@ -455,6 +465,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="corpus and weights seed")
     p.add_argument("--hidden-dim", type=int, default=32, help="LSTM width (default: %(default)s)")
     p.add_argument("--embed-dim", type=int, default=32, help="embedding width (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=1, help="LSTM layers (default: %(default)s)")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout on the embedding output, between layers and before the "
+                        "softmax (default 0: off)")
+    p.add_argument("--locked-dropout", action="store_true",
+                   help="one dropout mask per sequence (variational dropout)")
+    p.add_argument("--embed-dropout", type=float, default=0.0,
+                   help="word-type dropout rate (default 0: off)")
+    p.add_argument("--weight-drop", type=float, default=0.0,
+                   help="DropConnect rate on the recurrent matrices (default 0: off)")
     p.add_argument("--json", default="", metavar="PATH",
                    help="also write the rows as a JSON list of {strategy, replicas, "
                         "max_abs_param_diff, eval_ppl_rel_diff}")
@@ -468,7 +488,9 @@ def spec_from_args(a: argparse.Namespace) -> VerifySpec:
         strategies=parse_strategies(a.strategies), steps=a.steps, batch_size=a.batch_size,
         mode=a.mode, clip_norm=a.clip_norm, lr=a.lr, momentum=a.momentum, tolerance=a.tolerance,
         eval_tolerance=a.eval_tolerance, seed=a.seed, embed_dim=a.embed_dim,
-        hidden_dim=a.hidden_dim,
+        hidden_dim=a.hidden_dim, layers=a.layers, dropout=a.dropout,
+        locked_dropout=a.locked_dropout, embed_dropout=a.embed_dropout,
+        weight_drop=a.weight_drop,
     )
 
 

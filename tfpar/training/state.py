@@ -13,7 +13,7 @@ strategy's scope, so the variables land where the strategy wants them. A checkpo
     optimizer/...         the optimizer's step count (and its slots again)
     epoch                 epochs finished
     batch_in_epoch        batches of the current epoch consumed (trained or skipped)
-    rng/<layer>           the dropout layers' RNG states
+    (no RNG state: dropout masks are a function of the step, tfpar.model.noise)
     carry/rnn_<i>:<k>     stream mode: the recurrent state the next window starts from,
                           [global batch, hidden] (k: 0 = h, 1 = c for LSTMs), so a run
                           resumed mid-epoch carries on exactly, under any strategy
@@ -58,7 +58,7 @@ class TrainState:
         # "layers" sorts before "model" and "optimizer": a tensor reachable from several
         # objects is saved under the first path TF's breadth-first walk finds.
         out = {"layers": named_weights(self.model), "model": self.model, "epoch": self.epoch,
-               "batch_in_epoch": self.batch_in_epoch, "rng": self.model.seed_states()}
+               "batch_in_epoch": self.batch_in_epoch}
         if self.carry:
             out["carry"] = {f"rnn_{i}:{k}": v for i, layer in enumerate(self.carry)
                             for k, v in enumerate(layer)}

@@ -40,8 +40,8 @@ Clipping comes after that sum, and the Keras optimizer (outside any ``tf.distrib
 strategy) applies it once; its update ops are colocated with the variables, i.e. on the
 stages' devices. In stream mode the recurrent state is split into rows like the batch and
 the final states are concatenated back, so windows carry state exactly as on one device.
-With dropout on, each micro-batch draws its own mask (the same distribution as one
-device's, not the same numbers).
+With dropout on, each micro-batch's rows draw the masks one device draws for them
+(``tfpar.model.noise``), so the update stays one device's.
 
 Ops are named ``stage_<k>/forward_mb_<j>/…``, ``gradient_tape/stage_<k>/forward_mb_<j>/…``
 and ``stage_<k>/backward_mb_<j>/…`` (its gradient), ``stage_<k>/accumulate``, so the
@@ -101,6 +101,7 @@ class _MicroBatch:
     targets: tf.Tensor  # [b, T] int32
     start: tf.Tensor  # int32 scalar
     size: tf.Tensor  # int32 scalar
+    rows: tf.Tensor  # [b] int32, the rows' indices in the global batch (dropout masks)
 
 
 class PipelinePlugin(StrategyPlugin):
@@ -321,7 +322,7 @@ class PipelinePlugin(StrategyPlugin):
             x, mask = x_in if x_in is not None else (None, None)
             for part in stage.parts:
                 if part == EMBEDDING:
-                    x, mask = model.embed(mb.inputs, training=training)
+                    x, mask = model.embed(mb.inputs, training=training, rows=mb.rows)
                 elif part == SOFTMAX:
                     # Tokens flattened to [b*T, V] and [b*T]: on 3-D logits of unknown
                     # size TF adds a run-time shape Assert, and a tf.function chains all
@@ -337,7 +338,8 @@ class PipelinePlugin(StrategyPlugin):
                 else:
                     i = int(RNN_PART.match(part).group(1))
                     initial = None if states is None else states[i][j]
-                    x, out["finals"][i] = model.run_rnn(i, x, mask, initial, training=training)
+                    x, out["finals"][i] = model.run_rnn(i, x, mask, initial, training=training,
+                                                        rows=mb.rows)
             out["x"] = (x, mask)
         return out
 
@@ -349,7 +351,8 @@ class PipelinePlugin(StrategyPlugin):
             for j in range(self.micro_batches):
                 start, size = shard_bounds(rows, self.micro_batches, j)
                 part = shard_rows(batch, self.micro_batches, j)
-                out.append(_MicroBatch(part["inputs"], part["targets"], start, size))
+                out.append(_MicroBatch(part["inputs"], part["targets"], start, size,
+                                       part["rows"]))
             return out
 
     def _split_state(self, model, state, mbs: list[_MicroBatch]):
