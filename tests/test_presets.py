@@ -36,6 +36,16 @@ def test_medium_and_large(name, hidden, bptt, dropout, epochs):
     assert c.train.lr == float(bptt)
 
 
+def test_awd_hour_regularises_like_awd_lstm():
+    c = resolved(["--preset", "awd-hour"])
+    m = c.model
+    assert [m.dropout_at(s) for s in ("input", "hidden", "output")] == [0.4, 0.25, 0.4]
+    assert (m.locked_dropout, m.embed_dropout, m.weight_drop, m.tie_embeddings) == \
+        (True, 0.1, 0.3, True)
+    assert (c.train.lr, c.train.clip_norm, c.train.weight_decay, c.train.time_limit) == \
+        (30.0, 0.25, 1.2e-6, 58.0)
+
+
 def test_flags_given_override_the_preset_in_either_spelling():
     c = resolved(["--epochs", "2", "--preset", "ptb-small", "--lr=3", "--data", "synthetic"])
     assert (c.train.epochs, c.train.lr, c.data.source) == (2, 3.0, "synthetic")
@@ -50,7 +60,7 @@ def test_an_unknown_preset_is_one_line(capsys):
     assert train_main(["--preset", "ptb-huge"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == ("error: unknown --preset 'ptb-huge'; expected one of: ptb-small, "
-                   "ptb-medium, ptb-large")
+                   "ptb-medium, ptb-large, awd-hour")
 
 
 def test_the_resolved_configuration_is_logged_and_saved(tiny_corpus_dir, tmp_path, capsys):

@@ -61,6 +61,15 @@ def test_scalars_text_and_histograms_land_in_their_runs_at_their_steps(tmp_path)
                for _, _, p in e)
 
 
+def test_a_diverged_runs_perplexity_past_float32_range_is_written(tmp_path):
+    writer = summaries.Writer(str(tmp_path))
+    writer.scalars("eval", {"final_test_perplexity": 5.9e38, "inf": math.inf}, step=3)
+    writer.close()
+    evals = read_events(tmp_path / "eval")
+    assert evals["final_test_perplexity"] == [(3, pytest.approx(5.9e38), "scalars")]
+    assert evals["inf"][0][1] == math.inf
+
+
 def test_gradient_norms_are_a_histogram_and_one_scalar_per_layer(tmp_path):
     writer = summaries.Writer(str(tmp_path))
     writer.gradient_norms({"rnn_lm/embedding/embeddings": 3.0, "rnn_lm/rnn_0/cell/kernel": 1.0,

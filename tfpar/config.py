@@ -198,9 +198,13 @@ class TrainConfig:
     # Stop training after this many minutes of the loop (0: no limit), then evaluate and
     # export as at the end; a run resumed later gets the limit anew.
     time_limit: float = 0.0
+    # Training steps per tf.function call (a loop over the input iterator inside the
+    # graph, no host round trip between them); 1: one step per call.
+    steps_per_execution: int = 1
 
     def __post_init__(self) -> None:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _positive("steps-per-execution", self.steps_per_execution)
         _choice("scale-lr", self.scale_lr, SCALE_LR)
         _choice("on-nan", self.on_nan, ON_NAN)
         _non_negative("nan-patience", self.nan_patience)

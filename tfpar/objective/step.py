@@ -29,11 +29,13 @@ A strategy plug-in (``tfpar.parallel.base.StrategyPlugin``) offers three methods
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from tfpar.model import xla
 from tfpar.objective import losses
 
 
@@ -163,6 +165,28 @@ def update(norm: tf.Tensor, nll_sum: tf.Tensor, clip_norm: float,
     return tf.cond(finite, applied, lambda: tf.constant(False))
 
 
+def one_update(plugin, model, optimizer, *, clip_norm: float):
+    """``update(batch, state) -> Aggregated``: the body of every train step (traced into
+    :func:`make_train_step`'s function once, or into :func:`make_train_steps`' loop)."""
+    # Dropout masks are keyed by the optimizer's step (tfpar.model.noise): the same on
+    # every replica, and a resumed run draws what an uninterrupted one did.
+    model.noise.step = lambda: optimizer.iterations
+
+    def one(batch, state):
+        # Fixed shapes (stream mode: two window shapes an epoch): the step's parts run
+        # XLA-compiled whether or not the trace sees the shape (a strategy's slices, a
+        # multi-step loop's reads hide it), so every step of every strategy and of every
+        # --steps-per-execution runs the same kernels.
+        with xla.compile_any_shape() if model.fixed_shapes else contextlib.nullcontext():
+            agg = plugin.gradients(model, batch, state)
+        update(agg.norm, agg.nll_sum, clip_norm,
+               lambda factor: plugin.apply(optimizer, model.trainable_variables, agg.grads,
+                                           factor))
+        return agg
+
+    return one
+
+
 def make_train_step(plugin, model, optimizer, *, clip_norm: float):
     """``step(batch, state=None) -> StepOutput``: one update of ``model`` under ``plugin``.
 
@@ -172,21 +196,95 @@ def make_train_step(plugin, model, optimizer, *, clip_norm: float):
       optimizer: the Keras optimizer, built in the same scope.
       clip_norm: clip the aggregated gradient to this global norm (0: no clipping).
     """
-
-    # Dropout masks are keyed by the optimizer's step (tfpar.model.noise): the same on
-    # every replica, and a resumed run draws what an uninterrupted one did.
-    model.noise.step = lambda: optimizer.iterations
+    one = one_update(plugin, model, optimizer, clip_norm=clip_norm)
 
     @tf.function(reduce_retracing=True)
     def train_step(batch, state=None):
-        agg = plugin.gradients(model, batch, state)
-        update(agg.norm, agg.nll_sum, clip_norm,
-               lambda factor: plugin.apply(optimizer, model.trainable_variables, agg.grads,
-                                           factor))
+        agg = one(batch, state)
         return dict(nll_sum=agg.nll_sum, count=agg.count, grad_norm=agg.norm,
                     state=agg.state)
 
     return as_step_output(train_step)
+
+
+@dataclasses.dataclass
+class CallOutput:
+    """What one call of :func:`make_train_steps`' function ran."""
+
+    outputs: list  # a StepOutput per step run (state None), in order
+    state: Any  # the state after the last one (stream mode; None in sentence mode)
+    last_state_in: Any  # the state the last one started from (stream mode)
+    exhausted: bool  # the iterator ran out (the epoch ended) inside this call
+
+
+def make_train_steps(plugin, model, optimizer, *, clip_norm: float):
+    """``steps(iterator, state, n) -> CallOutput``: up to ``n`` updates in one
+    ``tf.function`` call (``--steps-per-execution``), with no host round trip between them.
+
+    A ``tf.while_loop`` reads the next batch of ``iterator`` (the plug-in's distributed
+    iterator) with ``get_next_as_optional`` and runs :func:`one_update` on it, carrying the
+    recurrent state from window to window in stream mode. It stops after ``n`` steps, when
+    the iterator is exhausted, or right after a non-finite step (so the loop handles that
+    batch exactly as with one step per call, and no later batch is consumed). Each step's
+    loss, token count and gradient norm come back in one transfer at the end.
+
+    Args:
+      iterator: ``iter(plugin.distribute(...))``.
+      state: stream mode: the state the first window starts from (not None; the loop
+        runs a stream's first window with the one-step function); sentence mode: None.
+      n: int32 scalar tensor, at most this many steps.
+    """
+    one = one_update(plugin, model, optimizer, clip_norm=clip_norm)
+
+    @tf.function
+    def train_steps(iterator, state, n):
+        stream = state is not None
+        carried = state if stream else tf.zeros([])
+        arrays = [tf.TensorArray(tf.float32, size=n) for _ in range(3)]
+
+        def cond(k, go, exhausted, carried, before, *arrays):
+            return tf.logical_and(k < n, go)
+
+        def body(k, go, exhausted, carried, before, *arrays):
+            batch = iterator.get_next_as_optional()
+
+            def run():
+                agg = one(batch.get_value(), carried if stream else None)
+                finite = tf.logical_and(tf.math.is_finite(agg.norm),
+                                        tf.math.is_finite(agg.nll_sum))
+                values = (agg.nll_sum, agg.count, agg.norm)
+                new = _shaped_like(agg.state, carried) if stream else carried
+                return (k + 1, finite, tf.constant(False), new, carried,
+                        *[a.write(k, v) for a, v in zip(arrays, values)])
+
+            def stop():
+                return (k, tf.constant(False), tf.constant(True), carried, before, *arrays)
+
+            return tf.cond(batch.has_value(), run, stop)
+
+        k, _, exhausted, carried, before, *arrays = tf.while_loop(
+            cond, body, (tf.constant(0), tf.constant(True), tf.constant(False), carried,
+                         carried, *arrays))
+        nll, count, norm = (a.stack()[:k] for a in arrays)
+        return dict(nll_sum=nll, count=count, grad_norm=norm, exhausted=exhausted,
+                    state=carried if stream else None, before=before if stream else None)
+
+    def steps(iterator, state, n: int) -> CallOutput:
+        out = train_steps(iterator, state, tf.constant(n, tf.int32))
+        per_step = zip(*(out[key].numpy() for key in ("nll_sum", "count", "grad_norm")))
+        return CallOutput([StepOutput(*values) for values in per_step], out["state"],
+                          out["before"], bool(out["exhausted"]))
+
+    steps.function = train_steps
+    return steps
+
+
+def _shaped_like(state, like):
+    """``state`` with the static shapes of ``like`` (a loop variable must keep its shape;
+    a plug-in that concatenates its final state from slices loses the static rows)."""
+    return tf.nest.map_structure(
+        lambda s, l: tf.ensure_shape(s, l.shape) if isinstance(s, tf.Tensor) else s,
+        state, like)
 
 
 def make_eval_step(plugin, model):

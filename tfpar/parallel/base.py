@@ -108,6 +108,11 @@ class StrategyPlugin(abc.ABC):
         """``step(batch, state) -> StepOutput`` that updates the model once."""
         return step.make_train_step(self, model, optimizer, clip_norm=clip_norm)
 
+    def make_train_steps(self, model, optimizer, *, clip_norm: float):
+        """``steps(iterator, state, n) -> CallOutput``: up to n updates per call
+        (``--steps-per-execution``; ``tfpar.objective.step.make_train_steps``)."""
+        return step.make_train_steps(self, model, optimizer, clip_norm=clip_norm)
+
     def make_eval_step(self, model) -> TrainStep:
         """``step(batch, state) -> StepOutput`` without gradients (no grad_norm)."""
         return step.make_eval_step(self, model)

@@ -93,12 +93,13 @@ def add_data_flags(p: argparse.ArgumentParser) -> None:
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--cell", default="lstm", help="lstm | gru")
-    g.add_argument("--layers", type=int, default=1, help="stacked RNN layers")
-    g.add_argument("--embed-dim", type=int, default=128, help="embedding width")
-    g.add_argument("--hidden-dim", type=int, default=256, help="RNN state width")
-    g.add_argument("--dropout", type=float, default=0.0,
+    g.add_argument("--layers", type=int, default=2, help="stacked RNN layers (default: 2)")
+    g.add_argument("--embed-dim", type=int, default=200, help="embedding width (default: 200)")
+    g.add_argument("--hidden-dim", type=int, default=200, help="RNN state width (default: 200)")
+    g.add_argument("--dropout", type=float, default=0.2,
                    help="dropout rate on the embedding output, between layers and before "
-                        "the softmax (0: off); the next three flags override it per site")
+                        "the softmax (default 0.2; 0: off); the next three flags override it "
+                        "per site")
     for site, where in (("input", "the embedding output"), ("hidden", "between layers"),
                         ("output", "the last layer's output (before the softmax)")):
         g.add_argument(f"--dropout-{site}", type=float, default=None,
@@ -112,19 +113,22 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-drop", type=float, default=0.0,
                    help="DropConnect on the recurrent matrices, one mask per step "
                         "(default 0: off)")
-    g.add_argument("--tie-embeddings", action="store_true",
+    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True,
                    help="share the embedding with the softmax (a learned hidden-dim x "
-                        "embed-dim projection before it when the two differ)")
-    g.add_argument("--init-scale", type=float, default=0.0,
-                   help="uniform init in [-s, s] for every weight (0: Keras defaults)")
+                        "embed-dim projection before it when the two differ) (default: on)")
+    g.add_argument("--init-scale", type=float, default=0.1,
+                   help="uniform init in [-s, s] for every weight (default 0.1; 0: Keras "
+                        "defaults)")
     g.add_argument("--precision", default="fp32",
                    help="fp32 | bf16 (large matmuls in bfloat16, for CPUs with AMX/AVX512-BF16)")
 
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
-    g.add_argument("--optimizer", default="adam", help="sgd | adam")
-    g.add_argument("--lr", type=float, default=3e-3, help="learning rate")
+    g.add_argument("--optimizer", default="sgd", help="sgd | adam (default: sgd)")
+    g.add_argument("--lr", type=float, default=20.0,
+                   help="learning rate (default: 20, for plain SGD on the per-token mean "
+                        "loss; Adam wants about 1e-3)")
     g.add_argument("--lr-decay", type=float, default=1.0, help="per-epoch LR factor")
     g.add_argument("--decay-after", type=int, default=0,
                    help="epochs at the base LR before --lr-decay applies")
@@ -133,15 +137,21 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-steps", type=int, default=0, help="linear LR warm-up steps")
     g.add_argument("--weight-decay", type=float, default=0.0,
                    help="decoupled weight decay: each step w -= lr * wd * w (default 0: off)")
-    g.add_argument("--clip-norm", type=float, default=5.0,
-                   help="clip the aggregated gradient's global norm (0: off)")
+    g.add_argument("--clip-norm", type=float, default=0.25,
+                   help="clip the aggregated gradient's global norm (default 0.25; 0: off)")
     g.add_argument("--epochs", type=int, default=1, help="passes over train (default: %(default)s; keeps `make train` under 3 minutes)")
     g.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: no limit)")
     g.add_argument("--time-limit", type=float, default=0.0,
                    help="stop training after this many minutes (checkpoint, then evaluate "
                         "and export as at the end; 0: no limit)")
-    g.add_argument("--batch-size", type=int, default=64,
-                   help="GLOBAL batch: sentences (or stream columns) over all replicas")
+    g.add_argument("--steps-per-execution", type=int, default=1, metavar="N",
+                   help="run N training steps per tf.function call, in a loop inside the "
+                        "graph (losses come back once per call; checkpoints, summaries, "
+                        "--max-steps and the non-finite guard keep their meaning) "
+                        "(default: 1)")
+    g.add_argument("--batch-size", type=int, default=20,
+                   help="GLOBAL batch: sentences (or stream columns) over all replicas "
+                        "(default: 20)")
     g.add_argument("--eval-batch-size", type=int, default=0,
                    help="global eval batch (0: --batch-size)")
     g.add_argument("--seed", type=int, default=0, help="seed for weights, shuffling, dropout")
@@ -241,7 +251,7 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
             epochs=a.epochs, max_steps=a.max_steps, batch_size=a.batch_size,
             eval_batch_size=a.eval_batch_size, seed=a.seed, deterministic=a.deterministic,
             on_nan=a.on_nan, nan_patience=a.nan_patience, weight_decay=a.weight_decay,
-            time_limit=a.time_limit,
+            time_limit=a.time_limit, steps_per_execution=a.steps_per_execution,
         ),
         dist=dist_config_from_args(a),
         run=cfg.RunConfig(

@@ -12,6 +12,14 @@ loss over the ``bptt`` steps of a window (and averages over the batch), so its g
 is ``bptt`` times tfpar's: its ``lr`` 1.0 is ``--lr bptt`` here and its clip norm ``c`` is
 ``--clip-norm c / bptt``. Their published test perplexities: small 115.91, medium
 82.07 (paper 82.7), large 78.29 (paper 78.4).
+
+``awd-hour`` is AWD-LSTM's regularisation (Merity et al., 2017: "Regularizing and
+Optimizing LSTM Language Models") on a model sized for an hour of this project's 2-core
+reference host: a 2x650 LSTM with tied embeddings, locked dropout on the embedding output
+(0.4), between the layers (0.25) and before the softmax (0.4), word-type dropout 0.1,
+weight drop 0.3 on the recurrent matrices (AWD: 0.5 over hundreds of epochs; this run has
+about 15), SGD at AWD's lr 30 and clip 0.25 (AWD's loss is a per-token mean too) with its
+weight decay 1.2e-6, a per-epoch decay in place of NT-ASGD, and a 58-minute limit.
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ from tfpar.errors import ConfigError
 def _zaremba(*, hidden: int, bptt: int, init: float, clip: float, dropout: float,
              decay: float, decay_after: int, epochs: int) -> dict:
     return dict(data="ptb", mode="stream", bptt=bptt, batch_size=20, cell="lstm", layers=2,
-                embed_dim=hidden, hidden_dim=hidden, dropout=dropout, init_scale=init,
+                embed_dim=hidden, hidden_dim=hidden, tie_embeddings=False, dropout=dropout,
+                init_scale=init,
                 optimizer="sgd", lr=float(bptt), clip_norm=clip / bptt, lr_decay=decay,
                 decay_after=decay_after, epochs=epochs)
 
@@ -40,6 +49,13 @@ PRESETS: dict[str, tuple[str, dict]] = {
     "ptb-large": ("ptb_word_lm.py large: 2x1500 LSTM, bptt 35, 55 epochs, dropout 0.65",
                   _zaremba(hidden=1500, bptt=35, init=0.04, clip=10.0, dropout=0.65,
                            decay=1 / 1.15, decay_after=14, epochs=55)),
+    "awd-hour": ("AWD-LSTM regularisation on a 2x650 tied LSTM, sized for a CPU hour",
+                 dict(data="ptb", mode="stream", bptt=35, batch_size=20, cell="lstm", layers=2,
+                      embed_dim=650, hidden_dim=650, tie_embeddings=True, init_scale=0.05,
+                      dropout=0.4, dropout_hidden=0.25, locked_dropout=True,
+                      embed_dropout=0.1, weight_drop=0.3, optimizer="sgd", lr=30.0,
+                      clip_norm=0.25, weight_decay=1.2e-6, lr_decay=0.75, decay_after=6,
+                      epochs=15, time_limit=58.0)),
 }
 
 

@@ -54,10 +54,12 @@ class Loop:
     """Epochs of synchronous steps; see the module docstring."""
 
     def __init__(self, config, plugin, data, state, checkpointer, writer, train_step,
-                 eval_step):
+                 eval_step, train_steps=None):
         self.config, self.plugin, self.data, self.state = config, plugin, data, state
         self.checkpointer, self.writer = checkpointer, writer
         self.train_step, self.eval_step = train_step, eval_step
+        # --steps-per-execution N > 1: steps(iterator, state, n) runs up to n per call.
+        self.train_steps = train_steps
         self.progress = Progress()
         self.bad_in_a_row = 0  # non-finite batches since the last finite one
         self.carrying = None  # stream mode: the state the next window starts from
@@ -129,6 +131,9 @@ class Loop:
         # A resumed epoch starts from the state its checkpoint carried; a new one from 0.
         initial = self.plugin.local_state(self.state.carried()) if stream and skip else None
         self.carrying = initial
+        if self.train_steps is not None:
+            self.train_in_calls(iter(batches), train_step, stream)
+            return
         start = time.perf_counter()
         for out in run_steps(train_step, batches, stream=stream, initial_state=initial):
             now = time.perf_counter()
@@ -139,17 +144,72 @@ class Loop:
             if self.done():
                 break
 
+    def steps_in_next_call(self) -> int:
+        """--steps-per-execution, cut so that a call ends on every --checkpoint-every
+        multiple and at --max-steps: what is saved there is that step's state."""
+        cfg, step = self.config, self.step
+        n = cfg.train.steps_per_execution
+        if cfg.run.checkpoint_every:
+            n = min(n, cfg.run.checkpoint_every - step % cfg.run.checkpoint_every)
+        if cfg.train.max_steps:
+            n = min(n, cfg.train.max_steps - step)
+        return max(n, 1)
+
+    def train_in_calls(self, iterator, train_step, stream: bool) -> None:
+        """The epoch's steps, up to --steps-per-execution per call (see
+        ``tfpar.objective.step.make_train_steps``). A stream's first window (from zeros,
+        or after a non-finite one) runs alone with the one-step function."""
+        while not self.done():
+            start = time.perf_counter()
+            if stream and self.carrying is None:
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    return
+                out = train_step(batch, None)
+                self.carried_in, self.carrying = None, out.state
+                self.record([out], time.perf_counter() - start)
+                continue
+            call = self.train_steps(iterator, self.carrying, self.steps_in_next_call())
+            if not call.outputs:
+                return
+            self.carried_in = call.last_state_in  # the last window's start (non_finite)
+            self.carrying = call.state
+            if stream and not is_finite(call.outputs[-1]):
+                self.carrying = None  # restart_state_after_non_finite, as for one step
+            self.record(call.outputs, time.perf_counter() - start, per_step=True)
+            if call.exhausted:
+                return
+
     def store_carry(self) -> None:
         """Before a checkpoint: the carried stream state, in global form, into the state."""
         if self.state.carry:
             self.state.store_carry(self.plugin.global_state(self.carrying))
 
-    def record(self, outputs: list, seconds: float) -> None:
+    def record(self, outputs: list, seconds: float, *, per_step: bool = False) -> None:
         """The one place finished steps go: non-finite ones are reported (``--on-nan``),
-        the rest are counted and handed to every hook."""
+        the rest are counted and handed to every hook.
+
+        ``outputs`` finished since the last record, in order, and the state (weights,
+        position) is already theirs. ``per_step``: hand each step to the hooks as its
+        own record with its own step number (the steps of one multi-step call), instead
+        of one record for all (a parameter-server sync point)."""
         position = int(self.state.batch_in_epoch.numpy())
         self.state.batch_in_epoch.assign_add(len(outputs))
-        step = self.step
+        # The first call traces the graph; its steps are kept out of tokens/s.
+        warm = self.step > len(outputs)
+        if not per_step:
+            self._record(outputs, seconds, self.step, position, warm)
+        else:
+            # Steps not applied (non-finite) do not count; the step numbers end at ours.
+            step = self.step - sum(is_finite(out) for out in outputs)
+            for i, out in enumerate(outputs):
+                step += is_finite(out)
+                self._record([out], seconds / len(outputs), step, position + i, warm)
+        self.check_stop_signal()
+
+    def _record(self, outputs: list, seconds: float, step: int, position: int,
+                warm: bool) -> None:
         finite = []
         for i, out in enumerate(outputs):
             nll, count, norm = float(out.nll_sum), float(out.count), float(out.grad_norm)
@@ -164,14 +224,13 @@ class Loop:
                        grad_norm=sum(f[2] for f in finite) / len(finite), seconds=seconds,
                        learning_rate=float(self.state.optimizer.learning_rate))
             p = self.progress
-            if step > len(outputs):  # The first steps trace the graph; keep them out.
+            if warm:
                 p.tokens += r.count
                 p.seconds += seconds
             p.nll += r.nll
             p.count += r.count
             for hook in self.hooks:
                 hook(r)
-        self.check_stop_signal()
 
     def end_epoch(self, epoch: int) -> None:
         nll, count = evaluate(self.plugin, self.eval_step, self.data, "valid",

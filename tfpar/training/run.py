@@ -125,8 +125,11 @@ def _train(config: Config, plugin, model_dir: str) -> dict[str, Any]:
                                    clip_norm=config.train.clip_norm),
             lambda: state.step + 1, config.run.profile_steps)
         loop_class = Loop
+    train_steps = plugin.make_train_steps(state.model, state.optimizer,
+                                          clip_norm=config.train.clip_norm) \
+        if config.train.steps_per_execution > 1 else None
     progress = loop_class(config, plugin, data, state, ckpt, writer, train_step,
-                          eval_step).run()
+                          eval_step, train_steps).run()
 
     metrics = _final_metrics(config, plugin, corpus, vocab, progress, model_dir, state.step)
     for split in ("valid", "test"):

@@ -60,7 +60,8 @@ class Writer:
             return
         with writer.as_default(step=step):
             for name, value in values.items():
-                tf.summary.scalar(name, value)
+                # float64: a diverged run's perplexity (say 6e38) is past float32's range.
+                tf.summary.scalar(name, tf.constant(value, tf.float64))
 
     def text(self, run: str, name: str, value: str | Sequence[str], step: int = 0) -> None:
         """A string, or a list of strings (shown as a table)."""

@@ -179,6 +179,10 @@ class PipelinePlugin(StrategyPlugin):
         self.bind(model)  # a --stages the model cannot honour fails here, not when traced
         return super().make_train_step(model, optimizer, clip_norm=clip_norm)
 
+    def make_train_steps(self, model, optimizer, *, clip_norm):
+        self.bind(model)
+        return super().make_train_steps(model, optimizer, clip_norm=clip_norm)
+
     def make_eval_step(self, model):
         self.bind(model)
         return super().make_eval_step(model)

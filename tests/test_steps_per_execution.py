@@ -1,0 +1,96 @@
+"""--steps-per-execution N: N training steps per tf.function call, the same training."""
+
+import numpy as np
+import pytest
+
+from tfpar.tools.cli import train_main
+from tfpar.tools.faults import checkpoint_tensors
+from test_summaries import read_events
+
+STRATEGIES = {
+    "default": [],
+    "mirrored": ["--strategy", "mirrored", "--cpu-devices", "2"],
+    "tower": ["--strategy", "tower", "--cpu-devices", "3"],
+    "pipeline": ["--strategy", "pipeline", "--cpu-devices", "2", "--layers", "2"],
+}
+
+
+def run(corpus, out, *extra):
+    """A --deterministic run on the tiny corpus (19 batches of 16 an epoch, so 20 steps
+    cross an epoch end); exit status 0 asserted."""
+    args = ["--data", str(corpus), "--embed-dim", "16", "--hidden-dim", "16",
+            "--batch-size", "16", "--epochs", "3", "--no-progress", "--deterministic",
+            "--dropout", "0.2", "--no-export", "--log-every", "3",
+            "--model-dir", str(out), *extra]
+    assert train_main(args) == 0
+    return checkpoint_tensors(out)
+
+
+def assert_equal_tensors(got, want):
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if not np.array_equal(got[k], want[k])] == []
+
+
+def train_losses(model_dir):
+    return [(step, float(v)) for step, v, _ in read_events(model_dir / "train")["loss"]]
+
+
+@pytest.mark.parametrize("strategy,mode", [
+    ("default", "sentence"), ("default", "stream"), ("mirrored", "stream"),
+    ("tower", "sentence"), ("pipeline", "stream")])
+def test_ten_steps_per_call_train_exactly_what_one_per_call_does(
+        strategy, mode, module_tiny_corpus, tmp_path):
+    """20 steps (an epoch end inside a call, checkpoints every 7 steps cutting calls,
+    dropout on): every checkpointed tensor bit for bit, and the per-step train loss
+    summaries at the same steps with the same values."""
+    extra = [*STRATEGIES[strategy], "--mode", mode, "--bptt", "6", "--max-steps", "20",
+             "--checkpoint-every", "7"]
+    one = run(module_tiny_corpus, tmp_path / "one", *extra)
+    ten = run(module_tiny_corpus, tmp_path / "ten", *extra, "--steps-per-execution", "10")
+    assert int(ten["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"]) == 20
+    assert_equal_tensors(ten, one)
+    assert train_losses(tmp_path / "ten") == train_losses(tmp_path / "one")
+    assert [s for s, _ in train_losses(tmp_path / "one")][:3] == [1, 3, 6]
+
+
+@pytest.mark.parametrize("mode", ["sentence", "stream"])
+def test_a_run_resumed_with_several_steps_per_call_ends_like_an_uninterrupted_one(
+        mode, module_tiny_corpus, tmp_path):
+    """9 steps, then on to 25 (mid-epoch resume), 4 steps per call, against 25 straight
+    with one per call."""
+    extra = ["--mode", mode, "--bptt", "6", "--checkpoint-every", "0"]
+    want = run(module_tiny_corpus, tmp_path / "straight", *extra, "--max-steps", "25")
+    run(module_tiny_corpus, tmp_path / "resumed", *extra, "--max-steps", "9",
+        "--steps-per-execution", "4")
+    got = run(module_tiny_corpus, tmp_path / "resumed", *extra, "--max-steps", "25",
+              "--steps-per-execution", "4")
+    assert_equal_tensors(got, want)
+
+
+def test_a_diverging_run_stops_at_its_first_bad_step_inside_a_call(module_tiny_corpus,
+                                                                     tmp_path, capsys):
+    """lr 1e38 makes step 2 non-finite in the middle of a 5-step call: the same one-line
+    error as with one step per call, step 1's weights checkpointed, and the input
+    position at the bad batch (no later batch of the call consumed)."""
+    args = ["--data", str(module_tiny_corpus), "--embed-dim", "16", "--hidden-dim", "16",
+            "--batch-size", "16", "--no-progress", "--no-export", "--optimizer", "adam",
+            "--lr", "1e38", "--clip-norm", "0", "--max-steps", "5",
+            "--model-dir", str(tmp_path / "run"), "--steps-per-execution", "5"]
+    assert train_main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(
+        "error: non-finite loss or gradient in the batch after step 1 ")
+    got = checkpoint_tensors(tmp_path / "run")
+    assert int(got["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"]) == 1
+    assert int(got["batch_in_epoch/.ATTRIBUTES/VARIABLE_VALUE"]) == 1
+
+
+def test_a_non_positive_steps_per_execution_is_one_line(tmp_path, capsys):
+    # (Under parameter_server it is refused too: tests/test_parameter_server.py.)
+    args = ["--steps-per-execution", "0", "--model-dir", str(tmp_path / "run"),
+            "--no-progress"]
+    assert train_main(args) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "error: steps-per-execution must be > 0, got 0"
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
