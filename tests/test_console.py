@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import PINNED, REPO
 from tfpar.tools.console import NATIVE, PREAMBLE, LineFilter
 from tfpar.tools.cli import train_main
 
@@ -69,7 +69,7 @@ def test_train_script_stderr_has_no_native_chatter_unless_verbose(verbose, tiny_
                                                                   tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     proc = subprocess.run(
-        [sys.executable, TRAIN, "--data", str(tiny_corpus_dir), "--embed-dim", "8",
+        [sys.executable, TRAIN, "--data", str(tiny_corpus_dir), *PINNED, "--embed-dim", "8",
          "--hidden-dim", "8", "--batch-size", "16", "--max-steps", "2", "--no-progress",
          "--no-export", "--model-dir", str(tmp_path / "run"), *(["-v"] if verbose else [])],
         capture_output=True, text=True, env=env, timeout=300)

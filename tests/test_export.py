@@ -20,6 +20,7 @@ from tfpar.model.lm import build_model
 from tfpar.parallel import build_strategy
 from tfpar.training.loop import evaluate
 from tfpar.data.vocab import Vocab
+from conftest import PINNED
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(REPO, ".venv", "bin")
@@ -215,7 +216,7 @@ def trained(tmp_path_factory):
     for split, n in (("train", 200), ("valid", 30), ("test", 30)):
         lines = [" ".join(rng.choice(words, size=int(rng.integers(1, 15)))) for _ in range(n)]
         (corpus / f"{split}.txt").write_text("\n".join(lines) + "\n")
-    argv = ["--data", str(corpus), "--embed-dim", "16", "--hidden-dim", "16",
+    argv = ["--data", str(corpus), *PINNED, "--embed-dim", "16", "--hidden-dim", "16",
             "--batch-size", "16", "--epochs", "1", "--max-steps", "4", "--no-progress",
             "--model-dir", str(tmp / "run"), "--export-dir", str(tmp / "export"),
             "--metrics-json", str(tmp / "metrics.json")]

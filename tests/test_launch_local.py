@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import REPO
+from conftest import PINNED, REPO
 
 LAUNCH = os.path.join(REPO, "scripts", "launch_local.py")
 
@@ -122,7 +122,7 @@ class Launched:
 def small_run(tmp_path, strategy, max_steps, every, *extra):
     return ["--strategy", strategy, "--max-steps", str(max_steps),
             "--checkpoint-every", str(every), "--synthetic-sentences", "1000,50,50",
-            "--embed-dim", "16", "--hidden-dim", "16", "--batch-size", "16",
+            *PINNED, "--embed-dim", "16", "--hidden-dim", "16", "--batch-size", "16",
             "--eval-batch-size", "100", "--no-progress", "--no-export",
             "--model-dir", str(tmp_path / "run"), "--metrics-json", str(tmp_path / "m.json"),
             *extra]
@@ -187,7 +187,7 @@ def test_parameter_server_survives_a_lost_worker_then_a_lost_ps(tmp_path):
     max_steps, every = 900, 50
     job = Launched(tmp_path, ["--workers", "2", "--ps", "1", "--restarts", "1"],
                    small_run(tmp_path, "parameter_server", max_steps, every, "--epochs", "20",
-                             "--embed-dim", "32", "--hidden-dim", "64"))
+                             *PINNED, "--embed-dim", "32", "--hidden-dim", "64"))
     wait_for(checkpoint(tmp_path, every), "the first checkpoint", 300)
     job.kill("worker 1")
     # TF's coordinator reports the lost worker, puts its step back and uses it again.

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import REPO, batch_of
+from conftest import PINNED, REPO, batch_of
 from tfpar.config import Config, DataConfig, DistConfig, ModelConfig, RunConfig, TrainConfig
 from tfpar.data.pipeline import InputData, per_replica
 from tfpar.data.vocab import EOS_ID, Vocab
@@ -350,7 +350,7 @@ def corpus(tmp_path_factory):
 
 
 def run_args(corpus, out, *extra):
-    return ["--data", str(corpus), "--embed-dim", "16", "--hidden-dim", "16",
+    return ["--data", str(corpus), *PINNED, "--embed-dim", "16", "--hidden-dim", "16",
             "--batch-size", "16", "--epochs", "1", "--no-progress", "--seed", "3",
             "--model-dir", str(out / "run"), "--export-dir", str(out / "export"),
             "--metrics-json", str(out / "metrics.json"), *DIVERGE, *extra]

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import REPO
+from conftest import PINNED, REPO
 from tfpar.parallel.cluster.tf_config import parse_tf_config
 from tfpar.objective import step as steps
 from tfpar.training import summaries
@@ -175,7 +175,7 @@ def test_asynchronous_training_on_a_local_cluster(tmp_path, capsys):
     """chief + 2 workers + 2 ps as real processes; the embedding (1541 x 128 floats) is
     large enough to be partitioned over both ps tasks."""
     steps_ = 120
-    args = ["--strategy", "parameter_server", "--max-steps", str(steps_), "--epochs", "3",
+    args = ["--strategy", "parameter_server", *PINNED, "--max-steps", str(steps_), "--epochs", "3",
             "--synthetic-sentences", "1000,100,100", "--embed-dim", "128", "--hidden-dim", "16",
             "--batch-size", "16", "--lr", "0.02", "--checkpoint-every", "40", "--no-progress",
             "--eval-batch-size", "100", "--model-dir", str(tmp_path / "run"),

@@ -6,6 +6,7 @@ layer), so it moves too."""
 
 import pytest
 
+from conftest import PINNED
 from tfpar.tools.cli import train_main
 from tfpar.tools.faults import checkpoint_tensors
 
@@ -19,7 +20,7 @@ STRATEGIES = {
 
 
 def flags(corpus, model_dir, steps, mode):
-    return ["--data", str(corpus), "--mode", mode, "--bptt", "8", "--layers", "2",
+    return ["--data", str(corpus), "--mode", mode, "--bptt", "8", *PINNED, "--layers", "2",
             "--embed-dim", "16", "--hidden-dim", "16", "--batch-size", "12", "--epochs", "5",
             "--max-steps", str(steps), "--no-progress", "--no-export", "--deterministic",
             "--seed", "5", "--model-dir", str(model_dir)]

@@ -6,10 +6,11 @@ import pytest
 import tensorflow as tf
 
 from tfpar.tools.cli import train_main
+from conftest import PINNED
 
 
 def run(corpus, model_dir, *extra):
-    args = ["--data", str(corpus), "--embed-dim", "16", "--hidden-dim", "32",
+    args = ["--data", str(corpus), *PINNED, "--embed-dim", "16", "--hidden-dim", "32",
             "--tie-embeddings", "--weight-decay", "0.05", "--optimizer", "sgd", "--lr", "0.5",
             "--batch-size", "12", "--max-steps", "8", "--no-progress", "--no-export",
             "--deterministic", "--seed", "2", "--model-dir", str(model_dir), *extra]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
+from conftest import PINNED
 from tfpar.tools.cli import train_main
 from tfpar.tools.faults import (checkpoint_tensors, compare_tensors, start_train,
                                 write_tiny_corpus)
@@ -24,7 +25,8 @@ def run_args(corpus, tmp, name, steps=60):
     return [
         # hidden 384: a checkpoint large enough (~7 MB with Adam slots) that its write
         # takes long enough for the test to catch a kill in the middle of it.
-        "--data", str(corpus), "--embed-dim", "16", "--hidden-dim", "384", "--dropout", "0.1",
+        "--data", str(corpus), *PINNED,
+        "--embed-dim", "16", "--hidden-dim", "384", "--dropout", "0.1",
         "--batch-size", "16", "--epochs", "4", "--max-steps", str(steps), "--no-progress",
         "--checkpoint-every", "2", "--deterministic", "--seed", "3",
         "--model-dir", str(tmp / name), "--export-dir", str(tmp / (name + "-export")),
@@ -199,7 +201,7 @@ def test_a_resumed_run_repeats_an_uninterrupted_one_exactly(strategy, mode, tiny
     checkpoint carries the recurrent state the next window starts from."""
     def run(name, steps):
         args = ["--data", str(tiny_corpus_dir), "--mode", mode, "--bptt", "8",
-                "--strategy", strategy, "--embed-dim", "16",
+                "--strategy", strategy, *PINNED, "--embed-dim", "16",
                 "--hidden-dim", "16", "--dropout", "0.1", "--batch-size", "8", "--epochs", "3",
                 "--max-steps", str(steps), "--no-progress", "--no-export", "--deterministic",
                 "--checkpoint-every", "5", "--seed", "3", "--model-dir", str(tmp_path / name),
@@ -248,14 +250,16 @@ def test_writer_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(tmp_path
 
 def test_a_second_run_on_a_model_dir_in_use_is_refused(tiny_corpus_dir, tmp_path, capsys):
     model_dir = tmp_path / "run"
-    first = start(["--data", str(tiny_corpus_dir), "--embed-dim", "16", "--hidden-dim", "16",
+    first = start(["--data", str(tiny_corpus_dir), *PINNED,
+                   "--embed-dim", "16", "--hidden-dim", "16",
                    "--batch-size", "8", "--epochs", "20", "--max-steps", "400",
                    "--no-progress", "--no-export", "--model-dir", str(model_dir),
                    "--metrics-json", str(tmp_path / "first.json")])
     wait_for(lambda: (model_dir / "checkpoints").exists() or (model_dir / "train").exists(),
              first)
     assert (model_dir / "LOCK").exists()
-    code = train_main(["--data", str(tiny_corpus_dir), "--embed-dim", "16", "--hidden-dim",
+    code = train_main(["--data", str(tiny_corpus_dir), *PINNED,
+                       "--embed-dim", "16", "--hidden-dim",
                        "16", "--batch-size", "8", "--max-steps", "5", "--no-progress",
                        "--no-export", "--model-dir", str(model_dir)])
     err = capsys.readouterr().err

@@ -6,6 +6,7 @@ import pytest
 from tfpar.tools.cli import train_main
 from tfpar.tools.faults import checkpoint_tensors
 from test_summaries import read_events
+from conftest import PINNED
 
 STRATEGIES = {
     "default": [],
@@ -18,7 +19,7 @@ STRATEGIES = {
 def run(corpus, out, *extra):
     """A --deterministic run on the tiny corpus (19 batches of 16 an epoch, so 20 steps
     cross an epoch end); exit status 0 asserted."""
-    args = ["--data", str(corpus), "--embed-dim", "16", "--hidden-dim", "16",
+    args = ["--data", str(corpus), *PINNED, "--embed-dim", "16", "--hidden-dim", "16",
             "--batch-size", "16", "--epochs", "3", "--no-progress", "--deterministic",
             "--dropout", "0.2", "--no-export", "--log-every", "3",
             "--model-dir", str(out), *extra]
@@ -72,7 +73,8 @@ def test_a_diverging_run_stops_at_its_first_bad_step_inside_a_call(module_tiny_c
     """lr 1e38 makes step 2 non-finite in the middle of a 5-step call: the same one-line
     error as with one step per call, step 1's weights checkpointed, and the input
     position at the bad batch (no later batch of the call consumed)."""
-    args = ["--data", str(module_tiny_corpus), "--embed-dim", "16", "--hidden-dim", "16",
+    args = ["--data", str(module_tiny_corpus), *PINNED,
+            "--embed-dim", "16", "--hidden-dim", "16",
             "--batch-size", "16", "--no-progress", "--no-export", "--optimizer", "adam",
             "--lr", "1e38", "--clip-norm", "0", "--max-steps", "5",
             "--model-dir", str(tmp_path / "run"), "--steps-per-execution", "5"]

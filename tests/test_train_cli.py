@@ -59,7 +59,8 @@ def test_export_reloads_with_the_same_log_probs(tiny_args, tmp_path):
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     loaded = tf.saved_model.load(metrics["export_path"])
     vocab = Vocab.load(tmp_path / "run" / "vocab.txt")
-    model = build_model(ModelConfig(embed_dim=16, hidden_dim=16), len(vocab))
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
+    model = build_model(ModelConfig(**saved), len(vocab))
     tf.train.Checkpoint(model=model).restore(
         tf.train.latest_checkpoint(str(tmp_path / "run" / "checkpoints"))).expect_partial()
     ids = tf.constant([[2, 5, 7, 0], [2, 3, 4, 6]], tf.int32)
