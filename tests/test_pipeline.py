@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import (REPO, assert_clipped_and_unclipped, assert_same_training, batch_of,
+from conftest import (PINNED, REPO, assert_clipped_and_unclipped, assert_same_training, batch_of,
                       make_lines, max_diff, slots_of)
 from tfpar.tools import cli
 from tfpar.config import DataConfig, DistConfig, ModelConfig
@@ -268,7 +268,8 @@ def test_placement_log_shows_every_stage_op_on_its_device(tiny_corpus_dir, tmp_p
     device-less variable read: its loop plumbing ran on /cpu:0 for stage 1.)"""
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "scripts", "train.py"), "--data",
-         str(tiny_corpus_dir), "--embed-dim", "16", "--hidden-dim", "16", "--layers", "2",
+         str(tiny_corpus_dir), *PINNED, "--embed-dim", "16", "--hidden-dim", "16",
+         "--layers", "2",
          "--batch-size", "8", "--max-steps", "1", "--epochs", "1", "--no-progress",
          "--no-export", "--model-dir", str(tmp_path / "run"), "--strategy", "pipeline",
          "--micro-batches", "2", "--log-device-placement"],

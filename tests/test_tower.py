@@ -245,7 +245,9 @@ def test_log_device_placement_shows_where_tower_ops_ran(tmp_path):
         # Every computing op on the tower; the ops that touch a weight's resource handle
         # (reads, shape queries, entering it into the RNN loop) go where the weight lives.
         computing = {n: d for n, (t, d) in ops.items() if t not in VARIABLE_HANDLE_OPS}
-        assert len(computing) > 50 and set(computing.values()) == {"CPU:1"}
+        # (The batch has a fixed shape, so the recurrence and the loss run as XLA launches,
+        # a few ops each: ~50 computing ops a direction, not hundreds.)
+        assert len(computing) > 30 and set(computing.values()) == {"CPU:1"}
         assert "MatMul" in {t for t, _ in ops.values()}
         assert {d for t, d in ops.values() if t in ("ReadVariableOp", "VariableShape")} <= {
             "CPU:2"}
