@@ -97,4 +97,3 @@ def test_a_rate_outside_zero_to_one_is_refused_by_name(field):
 def test_each_site_takes_its_own_rate_over_dropout():
     config = ModelConfig(layers=2, dropout=0.3, dropout_input=0.6, dropout_output=0.0)
     assert [config.dropout_at(s) for s in ("input", "hidden", "output")] == [0.6, 0.3, 0.0]
-    assert config.regularised and not ModelConfig().regularised

@@ -151,12 +151,6 @@ class ModelConfig:
         rate = getattr(self, f"dropout_{site}")
         return self.dropout if rate is None else rate
 
-    @property
-    def regularised(self) -> bool:
-        """Whether training draws any random mask."""
-        return bool(self.embed_dropout or self.weight_drop
-                    or any(self.dropout_at(s) for s in ("input", "hidden", "output")))
-
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:

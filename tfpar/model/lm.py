@@ -3,9 +3,9 @@
 ``inputs`` [B, T] int32 → embedding (``mask_zero``) → ``layers`` × LSTM/GRU → dense
 softmax logits [B, T, V], with dropout (per token or locked) on the embedding output,
 between layers and before the softmax, word-type dropout on the embedding and weight
-drop on the recurrent matrices, all drawn by ``tfpar.model.noise``. Every part has its own layer name (``embedding``,
-``rnn_0`` … ``rnn_{L-1}``, ``softmax``) so the pipeline strategy can place parts on
-devices by name. The call also takes and returns the recurrent state, so stream mode can
+drop on the recurrent matrices, all drawn by ``tfpar.model.noise``. Every part has its
+own layer name (``embedding``, ``rnn_0`` … ``rnn_{L-1}``, ``softmax``) so the pipeline
+strategy can place parts on devices by name. The call also takes and returns the recurrent state, so stream mode can
 carry it across windows and generation can feed one token at a time.
 """
 
