@@ -63,13 +63,17 @@ def test_ratio_of_missing_values_is_none():
 
 
 def test_targets_pass_at_the_threshold_and_fail_past_it_or_when_missing():
-    good = {"tfpar_vs_keras_baseline": 1.4, "input_stall_fraction": 0.02,
-            "pad_fraction_bucketed": 0.0, "mirrored1_vs_default": 0.95}
+    good = {"tfpar_vs_keras_baseline": 1.5, "input_stall_fraction": 0.02,
+            "pad_fraction_bucketed": 0.0, "mirrored1_vs_default": 0.95,
+            "mirrored2_vs_default": 1.0, "default_fraction_of_limit": 0.85,
+            "bf16_vs_fp32": 1.7, "spe10_vs_1": 1.02}
+    assert set(good) == set(bench_spec.TARGETS)
     assert all(row[-1] for row in check_targets(good))
-    bad = {**good, "tfpar_vs_keras_baseline": 1.39, "input_stall_fraction": 0.021,
-           "mirrored1_vs_default": None}
+    bad = {**good, "tfpar_vs_keras_baseline": 1.49, "input_stall_fraction": 0.021,
+           "mirrored1_vs_default": None, "default_fraction_of_limit": 0.849}
     failed = {row[0] for row in check_targets(bad) if not row[-1]}
-    assert failed == {"tfpar_vs_keras_baseline", "input_stall_fraction", "mirrored1_vs_default"}
+    assert failed == {"tfpar_vs_keras_baseline", "input_stall_fraction", "mirrored1_vs_default",
+                      "default_fraction_of_limit"}
     assert not check_targets({**good, "pad_fraction_bucketed": math.nan})[2][-1]
 
 
@@ -183,6 +187,58 @@ def test_tiny_run_writes_every_key(tiny_run):
     assert results["tfpar_default_vs_keras_baseline"] > 0
 
 
+def test_tiny_run_reports_the_roofline_bf16_and_steps_per_call(tiny_run):
+    _, results, printed, _ = tiny_run
+    roof = results["roofline"]
+    side = results["side_by_side_tokens_per_sec"]
+    assert set(roof["fraction_of_limit"]) == set(side)
+    assert {"default_bf16", "default_spe10"} <= set(side)
+    for name, rate in side.items():
+        limit = roof["limit_tokens_per_sec"]["bf16" if name == "default_bf16" else "fp32"]
+        assert roof["fraction_of_limit"][name] == pytest.approx(rate / limit)
+        assert roof["gflops"][name] == pytest.approx(rate * roof["flops_per_token"] / 1e9)
+    assert results["default_fraction_of_limit"] == roof["fraction_of_limit"]["default"]
+    assert all(v > 0 for table in roof["matmul_gflops"].values() for v in table.values())
+    assert results["bf16_vs_fp32"] > 0 and len(results["bf16_vs_fp32_per_round"]) == 1
+    assert results["spe10_vs_1"] > 0 and results["host_overhead_ms_per_step"] >= 0
+    assert set(results["spe_step_ms"]) == {"1", "10"}
+    assert "roofline:" in printed and "steps per call:" in printed and "bf16 vs fp32" in printed
+
+
+def test_host_overhead_is_what_n_steps_per_call_save_per_step():
+    # 10 ms of work plus 1 ms between steps: 11 ms a step with 1 per call, 10.1 with 10.
+    assert measure.host_overhead(0.011, 0.0101, 10) == pytest.approx(0.001)
+    assert measure.host_overhead(0.010, 0.0102, 10) == 0.0  # noise: 10 per call slower
+    # A 5 ms step with 1 ms of it on the host: 5 / 4.1 with 10 per call.
+    assert measure.gain_at(0.005, 0.001, 10) == pytest.approx(5 / 4.1)
+
+
+def test_step_flops_count_every_matmul_of_the_step():
+    from tfpar.tools.bench import roofline
+
+    mms = roofline.step_matmuls(layers=2, embed_dim=200, hidden_dim=200, vocab_size=10000,
+                                batch_size=20, bptt=35)
+    # 6HV for the softmax, 24 H (D + H) per layer: 15.84 MFLOP per token (module docstring).
+    per_token = roofline.step_flops(mms) / 700
+    assert per_token == pytest.approx(6 * 200 * 10000 + 2 * 24 * 200 * 400)
+    assert sum(m.loop for m in mms) == 4 and all(not m.large for m in mms if m.loop)
+    rates = {"float32": {roofline.shape_key(m): 1e11 for m in mms},
+             "bfloat16": {roofline.shape_key(m): 2e11 for m in mms if m.large}}
+    fp32, bf16 = (roofline.limit_seconds(mms, rates, p) for p in ("fp32", "bf16"))
+    assert fp32 == pytest.approx(roofline.step_flops(mms) / 1e11)
+    loops = sum(m.flops for m in mms if m.loop)
+    assert bf16 == pytest.approx((roofline.step_flops(mms) - loops) / 2e11 + loops / 1e11)
+
+
+def test_measured_matmul_rate_is_a_plausible_flop_rate():
+    from tfpar.tools.bench import roofline
+
+    for mm in (roofline.Matmul("x", 64, 32, 48), roofline.Matmul("y", 4, 32, 48, 5, loop=True),
+               roofline.Matmul("z", 4, 48, 32, 5, loop=True)):
+        rate = roofline.measure_rate(mm, min_seconds=0.01)
+        assert 1e6 < rate < 1e14, (mm, rate)
+
+
 def test_tiny_run_prints_a_verdict_per_target_and_check_sets_the_exit_code(tiny_run):
     code, results, printed, _ = tiny_run
     for name in bench_spec.TARGETS:
@@ -260,10 +316,10 @@ def test_a_contender_that_fails_to_build_fails_the_run(monkeypatch, capsys, tmp_
     names every failed one (local and in the child process) on stderr."""
     real_build = contenders.build_tfpar
 
-    def build(setup, name, dist):
+    def build(setup, name, dist, **options):
         if name == "mirrored1":
             raise RuntimeError("injected crash")
-        return real_build(setup, name, dist)
+        return real_build(setup, name, dist, **options)
 
     class NoChild:  # the two-device child, reporting tower2 crashed while it was built
         def __init__(self, spec, names):

@@ -106,6 +106,28 @@ class TfparContender(Contender):
                          for f in dataclasses.fields(Segment)))
 
 
+class MultiStepContender(Contender):
+    """tfpar's ``--steps-per-execution n``: ``n`` training steps per ``tf.function`` call
+    (``plugin.make_train_steps``), reading the plug-in's distributed iterator inside the
+    call; the stream state is carried from call to call."""
+
+    def __init__(self, name: str, plugin, model, optimizer, one_step, batches, n: int):
+        self.name, self.n, self.batches = name, n, batches
+        self.steps = plugin.make_train_steps(model, optimizer, clip_norm=5.0)
+        self.state = one_step(next(batches), None).state  # a stream's first window
+
+    def segment(self, steps: int) -> Segment:
+        """``steps`` steps (a multiple of ``n`` is timed exactly; the last call is cut)."""
+        start, cpu = time.perf_counter(), time.process_time()
+        tokens, done = 0.0, 0
+        while done < steps:
+            call = self.steps(self.batches, self.state, min(self.n, steps - done))
+            self.state = call.state
+            tokens += sum(float(out.count) for out in call.outputs)
+            done += len(call.outputs)
+        return Segment(tokens, time.perf_counter() - start, time.process_time() - cpu)
+
+
 class KerasContender(Contender):
     """The plain-Keras baseline: ``keras.Sequential`` + ``compile`` + ``fit``."""
 
@@ -151,15 +173,17 @@ class KerasContender(Contender):
 
 
 # ----------------------------------------------------------------------------- builders
-def build_tfpar(setup: Setup, name: str, dist) -> tuple[TfparContender, Any]:
+def build_tfpar(setup: Setup, name: str, dist, *, precision: str | None = None,
+                steps_per_execution: int = 1) -> tuple[Contender, Any]:
     """A tfpar contender under the plug-in ``dist`` names (clip 5, tfpar's default), and
-    the plug-in."""
+    the plug-in; ``precision`` overrides the spec's, ``steps_per_execution > 1`` makes a
+    :class:`MultiStepContender`."""
     from tfpar.parallel import build_strategy
     from tfpar.training.state import build_train_state
 
     spec = setup.spec
     plugin = build_strategy(dist)
-    state = build_train_state(plugin.scope(), model_config(spec), len(setup.vocab),
+    state = build_train_state(plugin.scope(), model_config(spec, precision), len(setup.vocab),
                               seed=spec.seed,
                               make_optimizer=lambda epoch: _optimizer(spec.optimizer))
     train_step = plugin.make_train_step(state.model, state.optimizer, clip_norm=5.0)
@@ -167,6 +191,9 @@ def build_tfpar(setup: Setup, name: str, dist) -> tuple[TfparContender, Any]:
     batches = iter(plugin.distribute(
         lambda ctx: data.batches("train", training=True, input_context=ctx,
                                  batch_size=spec.batch_size).repeat()))
+    if steps_per_execution > 1:
+        return MultiStepContender(name, plugin, state.model, state.optimizer, train_step,
+                                  batches, steps_per_execution), plugin
     return TfparContender(name, plugin, state.model, state.optimizer, train_step, batches,
                           stream=True), plugin
 
@@ -208,20 +235,33 @@ def distribution_configs() -> dict[str, Any]:
     return {k: (v if v.strategy in STRATEGIES else NOT_AVAILABLE) for k, v in wanted.items()}
 
 
+# The same step with one thing changed, on no strategy: the other precision, and ten
+# steps per call. name -> keyword arguments of build_tfpar.
+SPE = 10
+
+
+def variant_configs(spec: BenchSpec) -> dict[str, dict[str, Any]]:
+    other = "bf16" if spec.precision == "fp32" else "fp32"
+    return {f"default_{other}": {"precision": other},
+            f"default_spe{SPE}": {"steps_per_execution": SPE}}
+
+
 def build_available(setup: Setup, names: Sequence[str], warmup: int
-                    ) -> tuple[dict[str, TfparContender], dict[str, str]]:
-    """Builds and warms up the named tfpar contenders; a strategy that fails is reported
+                    ) -> tuple[dict[str, Contender], dict[str, str]]:
+    """Builds and warms up the named tfpar contenders (strategies, or
+    :func:`variant_configs` of the default one); one that fails is reported
     (name -> "failed: ..." or NOT_AVAILABLE) instead of sinking the rest. The run still
     fails in the end: :func:`tfpar.tools.bench.report.failed_contenders` finds it."""
     built, failed = {}, {}
-    configs = distribution_configs()
+    configs, variants = distribution_configs(), variant_configs(setup.spec)
     for name in names:
-        dist = configs[name]
+        options = variants.get(name, {})
+        dist = configs["default" if name in variants else name]
         if dist == NOT_AVAILABLE:
             failed[name] = NOT_AVAILABLE
             continue
         try:
-            contender, _ = build_tfpar(setup, name, dist)
+            contender, _ = build_tfpar(setup, name, dist, **options)
             contender.warm_up(warmup)  # traces: a broken strategy fails here
         except Exception as e:  # a strategy under construction must not sink the rest
             log.warning("%s failed: %s", name, e)

@@ -15,10 +15,11 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from tfpar.tools.bench.contenders import (TWO_DEVICE, Contender, ContenderFailed, Segment,
+from tfpar.tools.bench import roofline
+from tfpar.tools.bench.contenders import (SPE, TWO_DEVICE, Contender, ContenderFailed, Segment,
                                           TfparContender, build_available,
                                           distribution_configs, in_memory_twin,
-                                          keras_baseline)
+                                          keras_baseline, variant_configs)
 from tfpar.tools.bench.remote import ContenderServer
 from tfpar.tools.bench.spec import BenchSpec, check_targets
 from tfpar.tools.bench.workload import Setup, load_setup
@@ -119,20 +120,82 @@ def paired_step_ratios(a: TfparContender, b: TfparContender, pairs: int) -> list
     return [ta.seconds / tb.seconds for ta, tb in paired_steps(a, b, pairs)]
 
 
-def paired_segment_rates(a: Contender, b: Contender, spec: BenchSpec
-                         ) -> tuple[list[float], list[float]]:
-    """Tokens/s of ``a`` and ``b`` in ``spec.rounds`` pairs of back-to-back segments of
-    ``spec.steps`` steps (the order alternates)."""
-    rates_a, rates_b = [], []
-    for r in range(spec.rounds):
+def paired_segments(a: Contender, b: Contender, rounds: int, steps: int
+                    ) -> list[tuple[Segment, Segment]]:
+    """``rounds`` pairs of back-to-back segments of ``steps`` steps of ``a`` and ``b``
+    (the order alternates)."""
+    out = []
+    for r in range(rounds):
         order = (a, b) if r % 2 == 0 else (b, a)
         got = {}
         for c in order:
             with failing_as(c.name):
-                got[id(c)] = c.segment(spec.steps)
-        rates_a.append(got[id(a)].tokens / got[id(a)].seconds)
-        rates_b.append(got[id(b)].tokens / got[id(b)].seconds)
-    return rates_a, rates_b
+                got[id(c)] = c.segment(steps)
+        out.append((got[id(a)], got[id(b)]))
+    return out
+
+
+def paired_segment_rates(a: Contender, b: Contender, spec: BenchSpec
+                         ) -> tuple[list[float], list[float]]:
+    """Tokens/s of ``a`` and ``b`` in ``spec.rounds`` pairs of back-to-back segments of
+    ``spec.steps`` steps (the order alternates)."""
+    pairs = paired_segments(a, b, spec.rounds, spec.steps)
+    return ([sa.tokens / sa.seconds for sa, _ in pairs],
+            [sb.tokens / sb.seconds for _, sb in pairs])
+
+
+def host_overhead(t_one: float, t_many: float, n: int) -> float:
+    """The host time per step that ``n`` steps per call save, from the step times with 1
+    and with ``n`` per call: the call's own cost ``o`` is paid every step with 1 and every
+    ``n``-th with ``n``, so ``t_one - t_many = o (1 - 1/n)``; clipped at 0."""
+    return max(0.0, (t_one - t_many) / (1.0 - 1.0 / n))
+
+
+def gain_at(step_seconds: float, overhead: float, n: int) -> float:
+    """The speed-up of ``n`` steps per call for a step that takes ``step_seconds`` with
+    one per call, ``overhead`` of it on the host between steps."""
+    return step_seconds / (step_seconds - overhead * (1.0 - 1.0 / n))
+
+
+def steps_per_execution(one: Contender, many: Contender, spec: BenchSpec) -> dict[str, Any]:
+    """``--steps-per-execution SPE`` against 1, on the default strategy: the ratio of
+    tokens/s in back-to-back segments, the step times, the host overhead per step they
+    imply, and the gain that overhead would give a 5 ms step."""
+    steps = max(SPE, spec.steps // SPE * SPE)  # whole calls
+    pairs = paired_segments(many, one, spec.rounds * 2, steps)
+    ratios = [(m.tokens / m.seconds) / (o.tokens / o.seconds) for m, o in pairs]
+    t_many = float(np.median([m.seconds / steps for m, _ in pairs]))
+    t_one = float(np.median([o.seconds / steps for _, o in pairs]))
+    overhead = host_overhead(t_one, t_many, SPE)
+    return {f"spe{SPE}_vs_1": float(np.median(ratios)),
+            f"spe{SPE}_vs_1_per_round": ratios,
+            "spe_step_ms": {"1": t_one * 1e3, str(SPE): t_many * 1e3},
+            "host_overhead_ms_per_step": overhead * 1e3,
+            f"spe{SPE}_gain_at_5ms_step": gain_at(0.005, overhead, SPE)}
+
+
+def roofline_figures(spec: BenchSpec, vocab_size: int, rate: dict[str, float],
+                     precision_of: dict[str, str]) -> dict[str, Any]:
+    """This host's matmul limit for the step's shapes (fp32 and bf16), the step's FLOPs,
+    and every contender's FLOP/s and fraction of the limit (from its side-by-side
+    tokens/s); see :mod:`tfpar.tools.bench.roofline`."""
+    mms = roofline.step_matmuls(layers=spec.layers, embed_dim=spec.embed_dim,
+                                hidden_dim=spec.hidden_dim, vocab_size=vocab_size,
+                                batch_size=spec.batch_size, bptt=spec.bptt)
+    rates = roofline.measure_rates(mms)
+    tokens = spec.batch_size * spec.bptt
+    flops_per_token = roofline.step_flops(mms) / tokens
+    limit = {p: tokens / roofline.limit_seconds(mms, rates, p) for p in ("fp32", "bf16")}
+    return {
+        "flops_per_token": flops_per_token,
+        "matmul_gflops": {dt: {k: v / 1e9 for k, v in table.items()} for dt, table in rates.items()},
+        "matmuls": [dataclasses.asdict(m) for m in mms],
+        "limit_tokens_per_sec": limit,
+        "bf16_limit_vs_fp32_limit": limit["bf16"] / limit["fp32"],
+        "gflops": {n: r * flops_per_token / 1e9 for n, r in rate.items()},
+        "fraction_of_limit": {n: r / limit[precision_of.get(n, "fp32")]
+                              for n, r in rate.items()},
+    }
 
 
 def padding(setup: Setup) -> dict[str, float]:
@@ -181,6 +244,7 @@ def run(spec: BenchSpec) -> dict[str, Any]:
     with failing_as("keras_baseline"):
         keras_contender = keras_baseline(setup)
     local_names = [n for n in distribution_configs() if n not in TWO_DEVICE]
+    local_names += list(variant_configs(spec))
     tfpar, distribution = build_available(setup, local_names, spec.warmup)
     if "default" not in tfpar:
         raise ContenderFailed("default", distribution["default"].removeprefix("failed: "))
@@ -219,6 +283,12 @@ def _measure(spec, setup, results, keras_contender, tfpar, distribution, server,
     memory_over_tfdata = [m.seconds / t.seconds for m, t in input_pairs]
     default_over_mirrored1 = (paired_step_ratios(default, tfpar["mirrored1"], pairs)
                               if "mirrored1" in tfpar else None)
+    # bf16 against fp32, and ten steps per call against one, each on no strategy.
+    other = "bf16" if spec.precision == "fp32" else "fp32"
+    precision_pairs = (paired_segment_rates(default, tfpar[f"default_{other}"], spec)
+                       if f"default_{other}" in tfpar else None)
+    spe = (steps_per_execution(default, tfpar[f"default_spe{SPE}"], spec)
+           if f"default_spe{SPE}" in tfpar else {})
     # Every contender side by side, for the distribution table.
     measured = interleave(contenders, spec)
 
@@ -270,6 +340,17 @@ def _measure(spec, setup, results, keras_contender, tfpar, distribution, server,
         "load_average_before": load_before[0], "load_average_after": os.getloadavg()[0],
         "seconds": time.time() - started,
     })
+    if precision_pairs:
+        fp32, bf16 = precision_pairs if spec.precision == "fp32" else precision_pairs[::-1]
+        per_round = [b / f for b, f in zip(bf16, fp32)]
+        results.update({"bf16_vs_fp32": float(np.median(per_round)),
+                        "bf16_vs_fp32_per_round": per_round})
+    results.update(spe)
+    precision_of = {n: spec.precision for n in rate}
+    precision_of.update({"keras_baseline": "fp32", f"default_{other}": other})
+    results["roofline"] = roofline_figures(spec, len(setup.vocab), rate, precision_of)
+    results["default_fraction_of_limit"] = results["roofline"]["fraction_of_limit"]["default"]
+    results["mirrored2_vs_default"] = results["distribution_vs_default"].get("mirrored2")
     results["targets"] = {name: {"value": value, "target": f"{op} {threshold}", "pass": ok}
                           for name, value, op, threshold, ok in check_targets(results)}
     return results

@@ -16,10 +16,14 @@ DEFAULT_PTB = os.path.join(os.path.dirname(REPO), "shared", "data", "ptb")
 
 # name -> (comparison, threshold); checked by check_targets.
 TARGETS: dict[str, tuple[str, float]] = {
-    "tfpar_vs_keras_baseline": (">=", 1.4),
+    "tfpar_vs_keras_baseline": (">=", 1.5),
     "input_stall_fraction": ("<=", 0.02),
     "pad_fraction_bucketed": ("<=", 0.03),
     "mirrored1_vs_default": (">=", 0.95),
+    "mirrored2_vs_default": (">=", 1.0),
+    "default_fraction_of_limit": (">=", 0.85),
+    "bf16_vs_fp32": (">=", 1.7),
+    "spe10_vs_1": (">=", 1.02),
 }
 NOT_AVAILABLE = "not available"
 

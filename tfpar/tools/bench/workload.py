@@ -50,11 +50,12 @@ def load_setup(spec: BenchSpec) -> Setup:
     return Setup(spec, corpus.name, note, corpus.splits, vocab, stream, sentence)
 
 
-def model_config(spec: BenchSpec):
+def model_config(spec: BenchSpec, precision: str | None = None):
+    """The benchmark's model (``precision`` overrides the spec's)."""
     from tfpar.config import ModelConfig
 
     return ModelConfig(layers=spec.layers, embed_dim=spec.embed_dim, hidden_dim=spec.hidden_dim,
-                       precision=spec.precision)
+                       precision=precision or spec.precision)
 
 
 def fixed_windows(stream: np.ndarray, bptt: int) -> tuple[np.ndarray, np.ndarray]:
