@@ -2,15 +2,18 @@
 
 Placement: ``strategy.run`` runs a replica's share of the one step
 (``tfpar.objective.step``) on each replica's device. Aggregation: the real-token count
-is all-reduced before the gradients (every replica divides by the global count), a copy
-of the gradients is all-reduced for the global norm of their sum, and the optimizer's
-``apply_gradients`` all-reduces the gradients themselves as it applies them.
+is all-reduced before the gradients (every replica divides by the global count), then
+the gradients are all-reduced once: their sum gives the global norm (for the clip factor)
+and is what every replica's optimizer applies, told not to sum again (Keras 3's
+``apply_gradients`` all-reduces in a replica context by itself, which would be a second
+all-reduce of every gradient each step; see :func:`summed_already`).
 """
 
 from __future__ import annotations
 
 import logging
 
+import keras
 import tensorflow as tf
 
 from tfpar.parallel import devices as devices_lib
@@ -54,13 +57,14 @@ class DistributePlugin(StrategyPlugin):
         return self.strategy.experimental_local_results(value)[0]
 
     def gradients(self, model, batch, state):
-        """Each replica's gradients of ``nll_sum / global_count`` on its rows.
+        """The gradients of ``nll_sum / global_count`` summed over the replicas (every
+        replica holds the sum), and the global norm of that sum.
 
-        They stay per-replica: the Keras optimizer's ``apply_gradients`` sums them across
-        replicas itself (handing it a reduced copy would sum twice). The global norm of
-        the sum is needed before that, for the clip factor, so a copy is all-reduced
-        for it (Keras 3's ``clipnorm`` would clip each replica before aggregation, which
-        is not what one device does).
+        Summed here, once, because the clip factor needs the norm of the sum before the
+        update (Keras 3's ``clipnorm`` would clip each replica before aggregation, which
+        is not what one device does); :meth:`apply` then keeps the optimizer from
+        summing again. Where that cannot be done (:data:`SUM_ONCE` False), each replica
+        keeps its own gradients and a copy is all-reduced for the norm.
         """
 
         def replica(batch, state):
@@ -68,14 +72,18 @@ class DistributePlugin(StrategyPlugin):
             global_count = ctx.all_reduce(SUM, losses.token_count(batch["targets"]))
             grads, nll_sum, count, final = step.replica_gradients(
                 model, batch, global_count, state, training=True)
-            norm = tf.linalg.global_norm(ctx.all_reduce(SUM, grads))
-            return grads, nll_sum, count, norm, final
+            summed = ctx.all_reduce(SUM, grads)
+            if SUM_ONCE:
+                grads = summed
+            return grads, nll_sum, count, tf.linalg.global_norm(summed), final
 
         grads, nll, count, norm, final = self.strategy.run(replica, args=(batch, state))
         return step.Aggregated(grads=grads, norm=self._local(norm), nll_sum=self._sum(nll),
                                count=self._sum(count), state=final)
 
     def apply(self, optimizer, variables, grads, factor):
+        summed_already(optimizer)
+
         def replica(grads):
             optimizer.apply_gradients(zip([g * factor for g in grads], variables))
 
@@ -107,6 +115,27 @@ class DistributePlugin(StrategyPlugin):
 
     def _sum(self, value):
         return self.strategy.reduce(SUM, value, axis=None)
+
+
+# Keras 3's TensorFlow optimizer sums the gradients over the replicas in
+# ``_all_reduce_sum_gradients`` (called in ``apply`` in a replica context). When it has
+# it, tfpar's synchronous plug-ins hand it gradients already summed and switch that sum
+# off for the call; a Keras without it gets per-replica gradients, as before.
+SUM_ONCE = hasattr(keras.optimizers.Optimizer, "_all_reduce_sum_gradients")
+
+
+def _as_given(grads_and_vars):
+    return list(grads_and_vars)
+
+
+def summed_already(optimizer):
+    """Makes ``optimizer.apply_gradients`` apply the gradients it is given as they are,
+    without all-reducing them over the replicas (tfpar hands it sums). Set on the
+    instance, once: the replicas of a MirroredStrategy trace ``apply`` on threads of
+    their own, at the same time. Returns the optimizer."""
+    if SUM_ONCE:
+        optimizer._all_reduce_sum_gradients = _as_given
+    return optimizer
 
 
 def cross_device_ops(all_reduce: str, device_names: list[str]):

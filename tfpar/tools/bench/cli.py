@@ -30,7 +30,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default="", help="write a PNG chart here (needs matplotlib)")
     p.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
     p.add_argument("-v", "--verbose", action="store_true", help="TensorFlow's own logs too")
+    p.add_argument("--loopback-workers", default="",
+                   help="comma-separated worker counts, e.g. 2,3: check the scaling model "
+                        "against that many multi_worker processes on loopback (about a "
+                        "minute each; default: none)")
     p.add_argument("--serve", default="", help=argparse.SUPPRESS)  # child process (internal)
+    p.add_argument("--worker-task", default="", help=argparse.SUPPRESS)  # loopback worker
     return p
 
 
@@ -54,6 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parser().parse_args(argv)
     setup_logging(args.verbose)
+    if args.worker_task:
+        from tfpar.tools.bench.workers import serve_worker
+
+        return serve_worker(args.worker_task)
     if args.serve:
         from tfpar.tools.bench.remote import serve
 

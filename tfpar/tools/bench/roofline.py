@@ -96,12 +96,11 @@ def _timed(fn, min_seconds: float) -> float:
     return best
 
 
-def measure_rate(mm: Matmul, dtype: str = "float32", *, min_seconds: float = 0.2,
-                 repeats: int = 4) -> float:
+def measure_rate(mm: Matmul, dtype: str = "float32", *, min_seconds: float = 0.2) -> float:
     """FLOP/s this host's TensorFlow reaches for ``mm``'s shape in ``dtype``.
 
-    A separate product is timed as ``repeats`` products of distinct inputs per call (a
-    ``tf.function`` returning them all, so none is pruned or merged); a ``loop`` product
+    A separate product is timed one per call, its operands passed as arguments (so
+    nothing is constant-folded and no two products share a call); a ``loop`` product
     as ``count`` products in an XLA-compiled ``tf.while_loop``, each on the previous one's
     result (``tanh``, sliced or tiled back to ``[m, k]``), so none can be hoisted or
     merged, as in the recurrence itself."""
@@ -126,13 +125,13 @@ def measure_rate(mm: Matmul, dtype: str = "float32", *, min_seconds: float = 0.2
             return tf.while_loop(lambda t, x: t < mm.count, body, (tf.constant(0), x0))[1]
 
         return mm.count * 2.0 * mm.m * mm.k * mm.n / _timed(run, min_seconds)
-    xs = [tf.cast(gen.normal([mm.m, mm.k]), dt) for _ in range(repeats)]
+    x = tf.cast(gen.normal([mm.m, mm.k]), dt)
 
     @tf.function
-    def run():
-        return [tf.matmul(x, w) for x in xs]
+    def product(x, w):
+        return tf.matmul(x, w)
 
-    return repeats * 2.0 * mm.m * mm.k * mm.n / _timed(run, min_seconds)
+    return 2.0 * mm.m * mm.k * mm.n / _timed(lambda: product(x, w), min_seconds)
 
 
 def measure_rates(matmuls: Sequence[Matmul], *, bf16: bool = True, min_seconds: float = 0.2
