@@ -55,11 +55,11 @@ def check_batch_sizes(config: Config, num_replicas: int) -> None:
 def prepare_vocab(config: Config, corpus: LoadedCorpus, model_dir: str, is_chief: bool) -> Vocab:
     """The train vocabulary; a resumed run checks it against the one saved beside its
     checkpoints, so ids cannot silently change."""
-    vocab = Vocab.build(corpus.splits["train"], max_size=config.data.vocab_size,
-                        min_count=config.data.min_count)
+    vocab = Vocab.build(corpus.splits["train"], tokenizer=config.data.tokenizer,
+                        max_size=config.data.vocab_size, min_count=config.data.min_count)
     saved = os.path.join(model_dir, "vocab.txt")
     if os.path.exists(saved):
-        old = Vocab.load(saved)
+        old = Vocab.load(saved, tokenizer=config.data.tokenizer)
         if old.tokens != vocab.tokens:
             raise checkpoints.incompatible(
                 model_dir, f"vocabulary: {len(old)} entries saved, {len(vocab)} built now")
