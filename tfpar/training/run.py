@@ -89,14 +89,15 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     log.info("strategy %s", plugin.describe())
     plugin.check_config(config)
     check_batch_sizes(config, plugin.num_replicas)
-    with checkpoints.open_model_dir(config, plugin.is_chief) as model_dir:
-        return _train(config, plugin, model_dir)
-
-
-def _train(config: Config, plugin, model_dir: str) -> dict[str, Any]:
-    """The run itself, in a model dir this process holds."""
-    asynchronous = config.dist.strategy in ASYNCHRONOUS
+    # Read before the model dir is made: a corpus that cannot be read leaves nothing on disk.
     corpus = load_corpus(config.data, seed=config.train.seed)
+    with checkpoints.open_model_dir(config, plugin.is_chief) as model_dir:
+        return _train(config, plugin, model_dir, corpus)
+
+
+def _train(config: Config, plugin, model_dir: str, corpus: LoadedCorpus) -> dict[str, Any]:
+    """The run itself, on ``corpus``, in a model dir this process holds."""
+    asynchronous = config.dist.strategy in ASYNCHRONOUS
     vocab = prepare_vocab(config, corpus, model_dir, plugin.is_chief)
     data = InputData(corpus.splits, vocab, config.data, seed=config.train.seed)
     log.info("corpus %s: %s sentences; vocabulary %d", corpus.name,
