@@ -17,9 +17,9 @@ With ``stop_at_eos`` a row stops at its first ``<eos>`` (which is not part of th
 without it (the ``generate`` script's and signature's usual choice) the ``<eos>`` is fed
 back like any word, the row goes on into the next sentence, and the text shows each
 ``<eos>`` as a line break (a ``char`` model's text thus runs over several lines; its
-characters are joined with nothing, other tokenizers' tokens with spaces). ``<pad>`` and ``<unk>`` are never picked; a row whose scores
-are not finite (a diverged model) stops at once. The output text is the continuation
-only, without the prompt.
+characters are joined with nothing, other tokenizers' tokens with spaces). ``<pad>`` and
+``<unk>`` are never picked; a row whose scores are not finite (a diverged model) stops at
+once. The output text is the continuation only, without the prompt.
 
 Token choice: greedy (argmax) when ``temperature <= 0`` or ``top_k == 1``; otherwise a draw
 from ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens
