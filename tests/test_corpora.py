@@ -371,10 +371,10 @@ def test_one_file_split_is_deterministic_and_counts_non_blank_lines(tmp_path, ca
     file = _write_lines(tmp_path / "all.txt", 40, blank_every=3)
     with caplog.at_level("INFO", logger="tfpar.data.corpora"):
         first = corpora.read_text_file(file, (0.5, 0.25, 0.25))
-    second = corpora.read_text_file(file, (0.5, 0.25, 0.25))
+        second = corpora.read_text_file(file, (0.5, 0.25, 0.25))
     assert (first.train, first.valid, first.test) == (second.train, second.valid, second.test)
     assert first.valid[0] == "line 20" and first.test[-1] == "line 39"
-    assert [r.getMessage() for r in caplog.records] == [
+    assert [r.getMessage() for r in caplog.records] == 2 * [
         f"Split corpus file {file} by fractions 0.5,0.25,0.25: 20/10/10 lines (train/valid/test)"]
 
 
