@@ -40,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
                         "synthetic with --model)")
     p.add_argument("--input-dir", default=None, help="folder of named corpora (default: "
                                                      "the run's, else 'input')")
+    p.add_argument("--split-fractions", default=None, metavar="TRAIN,VALID,TEST",
+                   help="a one-file --data: the train,valid,test shares of its lines, as for "
+                        "train.py (default: the run's with --model-dir, else 0.9,0.05,0.05)")
     p.add_argument("--synthetic-sentences", default="20000,2000,2000",
                    help="--model with synthetic data: train,valid,test sentences")
     p.add_argument("--seed", type=int, default=0,
@@ -75,6 +78,8 @@ def evaluate_model_dir(args) -> dict:
     config, vocab_path = stored_run(args.model_dir)
     data_fields = {k: v for k, v in (("source", args.data), ("input_dir", args.input_dir))
                    if v is not None}
+    if args.split_fractions is not None:
+        data_fields["split_fractions"] = cli.split_fractions(args.split_fractions)
     config = config.replace(data=data_fields)
     config = Config(data=config.data, model=config.model, train=config.train,
                     dist=cli.dist_config_from_args(args), run=config.run)
@@ -97,7 +102,7 @@ def evaluate_model_dir(args) -> dict:
     if batch < plugin.num_replicas:
         raise ConfigError(f"--batch-size {batch} is smaller than the {plugin.num_replicas} "
                           f"replicas of --strategy {plugin.name}; use >= {plugin.num_replicas}")
-    vocab = Vocab.load(vocab_path)
+    vocab = Vocab.load(vocab_path, tokenizer=config.data.tokenizer)
     state = build_train_state(plugin.scope(), config.model, len(vocab),
                               seed=config.train.seed, fixed_shapes=config.data.mode == "stream")
     model = state.model
@@ -121,9 +126,11 @@ def evaluate_saved_model(args) -> dict:
         raise ConfigError("--strategy, --devices and --cpu-devices apply to --model-dir only; "
                           "a SavedModel is scored on one device")
     sizes = cli._int_list("--synthetic-sentences", args.synthetic_sentences, 3)
+    fractions = {} if args.split_fractions is None else {
+        "split_fractions": cli.split_fractions(args.split_fractions)}
     data = DataConfig(source=args.data or "synthetic", input_dir=args.input_dir or "input",
                       synthetic_train=sizes[0], synthetic_valid=sizes[1],
-                      synthetic_test=sizes[2])
+                      synthetic_test=sizes[2], **fractions)
     from tfpar.serving import export
     from tfpar.data.sources import load_corpus
 

@@ -3,8 +3,10 @@
 
     python scripts/generate.py --model saved_models/tfpar_lm --prompt "the cat" --seed 1
 
-Prints one line per prompt: ``[prompt] continuation``. Only TensorFlow and the SavedModel's
-``generate`` signature are used, so this is exactly what a served model returns.
+Prints ``[prompt] continuation`` per prompt; a continuation runs over several lines when
+the model writes sentence ends (each ``<eos>`` is a line break). Only TensorFlow and the
+SavedModel's ``generate`` signature are used, so this is exactly what a served model
+returns.
 """
 
 import argparse
@@ -23,7 +25,9 @@ def parser() -> argparse.ArgumentParser:
                    help="a SavedModel version dir (saved_models/<name>/<version>) or its name "
                         "dir (the highest version is used)")
     p.add_argument("--prompt", action="append", default=None,
-                   help="words to continue; repeat for several (default: one sentence start)")
+                   help="text to continue, split by the model's own tokenizer (words, or "
+                        "characters for a char model); repeat for several (default: one "
+                        "sentence start)")
     p.add_argument("--max-tokens", type=int, default=30,
                    help="most tokens per continuation, sentence ends included "
                         "(default: %(default)s)")
@@ -33,7 +37,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature (0: greedy)")
     p.add_argument("--top-k", type=int, default=0,
-                   help="sample among the k most likely words (0: all; 1: greedy)")
+                   help="sample among the k most likely tokens (0: all; 1: greedy)")
     p.add_argument("--seed", type=int, default=0, help="same seed, same text")
     p.add_argument("-v", "--verbose", action="store_true", help="TensorFlow's own logs too")
     return p

@@ -336,3 +336,127 @@ def test_tfds_missing_split_names_the_existing_ones(prepared_tfds_dir):
     with pytest.raises(DataError, match=r"TFDS dataset 'tfpar_tiny_text' has no 'validation' or "
                                         r"'valid' or 'dev' split; it has: train, test"):
         corpora.load_tfds("tfpar_tiny_text", data_dir=str(prepared_tfds_dir))
+
+
+# --- read_text_file: one file cut into train, valid, test --------------------------------
+
+
+def _write_lines(path: Path, n: int, blank_every: int = 0) -> Path:
+    lines = []
+    for i in range(n):
+        lines.append(f"line {i}")
+        if blank_every and i % blank_every == 0:
+            lines.append("   ")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("n,fractions,counts", [
+    (100, (0.9, 0.05, 0.05), (90, 5, 5)),
+    (101, (0.9, 0.05, 0.05), (91, 5, 5)),
+    (10, (0.8, 0.1, 0.1), (8, 1, 1)),
+    (7, (0.5, 0.25, 0.25), (4, 1, 2)),  # 3.5 -> 4, 5.25 -> 5: cumulative rounding
+    (3, (1 / 3, 1 / 3, 1 / 3), (1, 1, 1)),
+])
+def test_one_file_is_cut_into_contiguous_blocks_with_exact_counts(tmp_path, n, fractions,
+                                                                  counts):
+    file = _write_lines(tmp_path / "all.txt", n)
+    corpus = corpora.read_text_file(file, fractions)
+    assert (len(corpus.train), len(corpus.valid), len(corpus.test)) == counts
+    assert corpus.train + corpus.valid + corpus.test == [f"line {i}" for i in range(n)]
+    assert corpus.name == "all.txt"
+
+
+def test_one_file_split_is_deterministic_and_counts_non_blank_lines(tmp_path, caplog):
+    file = _write_lines(tmp_path / "all.txt", 40, blank_every=3)
+    with caplog.at_level("INFO", logger="tfpar.data.corpora"):
+        first = corpora.read_text_file(file, (0.5, 0.25, 0.25))
+        second = corpora.read_text_file(file, (0.5, 0.25, 0.25))
+    assert (first.train, first.valid, first.test) == (second.train, second.valid, second.test)
+    assert first.valid[0] == "line 20" and first.test[-1] == "line 39"
+    assert [r.getMessage() for r in caplog.records] == 2 * [
+        f"Split corpus file {file} by fractions 0.5,0.25,0.25: 20/10/10 lines (train/valid/test)"]
+
+
+def test_load_text_corpus_takes_a_file_with_its_fractions(tmp_path):
+    file = _write_lines(tmp_path / "all.txt", 20)
+    corpus = corpora.load_text_corpus(str(file), split_fractions=(0.5, 0.3, 0.2))
+    assert (len(corpus.train), len(corpus.valid), len(corpus.test)) == (10, 6, 4)
+    assert len(corpora.load_text_corpus(str(file)).test) == 1  # default 0.9, 0.05, 0.05
+
+
+@pytest.mark.parametrize("fractions,message", [
+    ((0.9, 0.1, 0.1), r"split-fractions '0.9,0.1,0.1' sum to 1.1, not 1; give three fractions "
+                      r"that sum to 1, e.g. 0.9,0.05,0.05"),
+    ((0.8, 0.1, 0.0999), r"split-fractions '0.8,0.1,0.0999' sum to 0.9999, not 1"),
+    ((1.0, 0.0, 0.0), r"split-fractions '1,0,0': the valid fraction must be > 0, got 0; "
+                      r"every split needs lines"),
+    ((1.2, -0.1, -0.1), r"split-fractions '1.2,-0.1,-0.1': the valid fraction must be > 0, "
+                        r"got -0.1"),
+    ((0.5, 0.5), r"split-fractions '0.5,0.5' must be three numbers train,valid,test"),
+])
+def test_bad_split_fractions(tmp_path, fractions, message):
+    from tfpar.config import DataConfig
+    from tfpar.errors import ConfigError
+
+    file = _write_lines(tmp_path / "all.txt", 100)
+    with pytest.raises(ConfigError, match=message):
+        corpora.read_text_file(file, fractions)
+    with pytest.raises(ConfigError, match=message):
+        DataConfig(source=str(file), split_fractions=fractions)
+
+
+def test_split_fractions_within_1e_6_of_one_are_accepted(tmp_path):
+    file = _write_lines(tmp_path / "all.txt", 100)
+    corpus = corpora.read_text_file(file, (0.9, 0.05, 0.0500009))
+    assert (len(corpus.train), len(corpus.valid), len(corpus.test)) == (90, 5, 5)
+
+
+@pytest.mark.parametrize("n,fractions,counts,needed", [
+    (15, (0.9, 0.05, 0.05), "14/0/1", 16),
+    (2, (0.5, 0.25, 0.25), "1/1/0", 4),
+    (0, (0.9, 0.05, 0.05), "0/0/0", 16),
+])
+def test_a_file_too_short_for_every_split(tmp_path, n, fractions, counts, needed):
+    file = _write_lines(tmp_path / "short.txt", n) if n else tmp_path / "short.txt"
+    if not n:
+        file.write_text("\n \n")
+    shown = ",".join(f"{f:g}" for f in fractions)
+    with pytest.raises(DataError, match=re.escape(
+            f"corpus file {file} has {n} non-blank lines, too few to cut by --split-fractions "
+            f"{shown} (train/valid/test would get {counts} lines); it needs at least {needed} "
+            "lines, or give larger valid/test fractions")):
+        corpora.read_text_file(file, fractions)
+    if n:  # the advice is right: `needed` lines are enough
+        corpus = corpora.read_text_file(_write_lines(tmp_path / "enough.txt", needed), fractions)
+        assert min(len(corpus.train), len(corpus.valid), len(corpus.test)) == 1
+
+
+def test_a_binary_or_non_utf8_file(tmp_path):
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(b"line one\nab\0cd\n")
+    with pytest.raises(DataError, match=r"corpus file .*model\.bin is binary, not text \(NUL "
+                                        r"byte at offset 11\); it must be UTF-8 text"):
+        corpora.read_text_file(binary)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"corpus file .*latin1\.txt is not UTF-8: byte 0xe9 at "
+                                        r"offset 3 cannot be decoded; re-encode the file"):
+        corpora.load_text_corpus(str(latin1))
+
+
+def test_an_unreadable_file(tmp_path, monkeypatch):
+    file = _write_lines(tmp_path / "all.txt", 100)
+    file.chmod(0)
+    if os.access(file, os.R_OK):  # root reads anything, so fake the refusal
+        real = Path.read_bytes
+
+        def refuse(self):
+            if self == file:
+                raise PermissionError(13, "Permission denied", str(self))
+            return real(self)
+
+        monkeypatch.setattr(Path, "read_bytes", refuse)
+    with pytest.raises(DataError, match=r"cannot read corpus file .*all\.txt: permission "
+                                        r"denied; make it readable"):
+        corpora.load_text_corpus(str(file))

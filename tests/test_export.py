@@ -299,6 +299,7 @@ def test_a_model_trained_under_mirrored_exports_the_same_way(tiny_args, tmp_path
         tf.train.latest_checkpoint(str(tmp_path / "run" / "checkpoints"))).expect_partial()
     texts = ["w1 w2 w3", "w5"]
     served = loaded.signatures["score"](text=tf.constant(texts))["nll"].numpy()
-    module = export.LanguageModelModule(model, str(tmp_path / "run" / "vocab.txt"))
+    module = export.LanguageModelModule(model, str(tmp_path / "run" / "vocab.txt"),
+                                        tokenizer="whitespace")
     np.testing.assert_allclose(served, module.score(tf.constant(texts))["nll"].numpy(),
                                rtol=1e-6)

@@ -187,3 +187,91 @@ def test_evaluate_refuses_a_checkpoint_that_does_not_fit_the_config(run, tmp_pat
     assert code == 2
     assert err.startswith(f"error: checkpoint '{bad}/checkpoints/ckpt-5' does not fit the "
                           "model its config.json describes: ")
+
+
+# ----------------------------------------------------------------------------- one file, tokenizers
+def write_play(path, lines=300, seed=2):
+    """A text file of short lines with punctuation, like a play: "Name: word word, word!"."""
+    rng = np.random.default_rng(seed)
+    names = ["First Citizen", "Menenius", "Marcius", "All"]
+    words = ["you", "sir", "we", "are", "the", "good", "poor", "corn", "speak", "no", "more"]
+    out = []
+    for _ in range(lines):
+        said = " ".join(rng.choice(words, size=int(rng.integers(2, 7))))
+        out.append(f"{rng.choice(names)}: {said}{rng.choice([',', '!', '.', '?'])}")
+    path.write_text("\n".join(out) + "\n", encoding="utf-8")
+    return path
+
+
+def one_file_run(tmp, tokenizer, *extra):
+    """Trains on one file with ``tokenizer``; returns the paths and the metrics."""
+    corpus = write_play(tmp / "play.txt")
+    argv = ["--data", str(corpus), "--tokenizer", tokenizer, *extra, *PINNED,
+            "--embed-dim", "16", "--hidden-dim", "16", "--batch-size", "16", "--epochs", "1",
+            "--no-progress", "--model-dir", str(tmp / "run"), "--export-dir",
+            str(tmp / "export"), "--metrics-json", str(tmp / "metrics.json")]
+    assert train.main(argv) == 0
+    metrics = json.loads((tmp / "metrics.json").read_text())
+    return {"corpus": str(corpus), "model_dir": str(tmp / "run"),
+            "export": metrics["export_path"], "metrics": metrics}
+
+
+@pytest.fixture(scope="module")
+def char_run(tmp_path_factory):
+    return one_file_run(tmp_path_factory.mktemp("char"), "char")
+
+
+@pytest.fixture(scope="module")
+def punct_run(tmp_path_factory):
+    return one_file_run(tmp_path_factory.mktemp("punct"), "punct",
+                        "--split-fractions", "0.8,0.1,0.1")
+
+
+def test_a_char_model_from_one_file_generates_several_lines(char_run, capsys):
+    code, out, _ = out_and_code(generate.main, ["--model", char_run["export"], "--max-tokens",
+                                                "300", "--seed", "1"], capsys)
+    assert code == 0
+    assert out.startswith("[] ")
+    assert out.strip().count("\n") >= 2, out
+
+
+def test_a_reloaded_char_model_reads_and_writes_characters_untold(char_run):
+    import tensorflow as tf
+
+    from tfpar.serving import export
+
+    loaded, _ = export.load_saved_model(char_run["export"])
+    assert loaded.tokenizer.numpy() == b"char"
+    # "ab c": four characters, the space one of them, and the <eos>.
+    assert loaded.signatures["score"](text=tf.constant(["ab c"]))["tokens"].numpy() == [5]
+    text, = export.generate_text(loaded, ["Me"], max_tokens=120, temperature=1.0, top_k=0,
+                                 seed=3)
+    assert len(text) == 120  # one character per token, <eos> written as "\n"
+    vocab = open(os.path.join(char_run["model_dir"], "vocab.txt"), encoding="utf-8").read()
+    assert set(text) - {"\n"} <= set(vocab.split("\n")[3:])
+    assert {" ", ":"} <= set(vocab.split("\n")[3:])
+
+
+def test_a_punct_model_has_punctuation_tokens_and_serves_its_training_perplexity(punct_run,
+                                                                                 capsys):
+    vocab = open(os.path.join(punct_run["model_dir"], "vocab.txt"), encoding="utf-8")
+    tokens = vocab.read().split("\n")
+    assert {":", ",", "!", "Citizen", "sir"} <= set(tokens)
+    assert not any(t.endswith((":", ",")) and len(t) > 1 for t in tokens)
+    config = json.loads(open(os.path.join(punct_run["model_dir"], "config.json")).read())
+    assert config["data"]["tokenizer"] == "punct"
+    assert config["data"]["split_fractions"] == [0.8, 0.1, 0.1]
+    valid_ppl = punct_run["metrics"]["valid_ppl"]
+    code, out, _ = out_and_code(
+        evaluate.main, ["--model", punct_run["export"], "--data", punct_run["corpus"],
+                        "--split-fractions", "0.8,0.1,0.1", "--json"], capsys)
+    assert code == 0
+    served = json.loads(out)
+    # The valid split is lines 240-269 of 300; each line "Name: w … w!" has the name's
+    # words, ":", its words, one mark and <eos>.
+    lines = open(punct_run["corpus"], encoding="utf-8").read().split("\n")[240:270]
+    assert served["tokens"] == sum(len(l.replace(":", " :").split()) + 2 for l in lines)
+    assert served["perplexity"] == pytest.approx(valid_ppl, rel=1e-5)
+    code, out, _ = out_and_code(evaluate.main, ["--model-dir", punct_run["model_dir"],
+                                                "--json"], capsys)
+    assert code == 0 and json.loads(out)["perplexity"] == pytest.approx(valid_ppl, rel=1e-6)

@@ -49,7 +49,7 @@ def test_every_token_once_and_padding_low():
     lines = make_lines(2000)
     data = make_data(lines, max_pad_fraction=0.02)
     real, slots = count_tokens(data.batches("train", training=True, batch_size=16))
-    assert real == sentence_lengths(lines).sum()
+    assert real == sentence_lengths(lines, tokenizer="whitespace").sum()
     assert (slots - real) / slots < 0.05
 
 
@@ -117,7 +117,7 @@ def test_partial_batch_smaller_than_replicas_pads_empty_replicas():
 
 
 def test_bucket_boundaries_keep_padding_below_target():
-    lengths = sentence_lengths(make_lines(5000, max_words=60))
+    lengths = sentence_lengths(make_lines(5000, max_words=60), tokenizer="whitespace")
     bounds = bucket_boundaries(lengths, 80, 0.02)
     assert bounds == sorted(bounds) and len(set(bounds)) == len(bounds)
     edges = [1] + bounds + [81]

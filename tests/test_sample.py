@@ -27,7 +27,7 @@ class FixedLogits:
 
 def run(model, prompts, *, max_tokens=8, temperature=1.0, top_k=0, seed=0, stop_at_eos=True):
     table = VOCAB.lookup_table()
-    ids, lengths = sample.prompt_ids(tf.constant(prompts), table)
+    ids, lengths = sample.prompt_ids(tf.constant(prompts), table, tokenizer="whitespace")
     return sample.generate_ids(
         model, ids, lengths, max_tokens=tf.constant(max_tokens), top_k=tf.constant(top_k),
         temperature=tf.constant(temperature, tf.float32), seed=tf.constant(seed),
@@ -36,7 +36,7 @@ def run(model, prompts, *, max_tokens=8, temperature=1.0, top_k=0, seed=0, stop_
 
 def test_prompt_ids_prepend_eos_right_pad_and_map_pad_literal_to_unk():
     ids, lengths = sample.prompt_ids(tf.constant(["a b", "", "zz <pad> c"]),
-                                     VOCAB.lookup_table())
+                                     VOCAB.lookup_table(), tokenizer="whitespace")
     a, b, c = VOCAB.encode("a b c")
     np.testing.assert_array_equal(ids.numpy(), [[EOS_ID, a, b, 0], [EOS_ID, 0, 0, 0],
                                                 [EOS_ID, UNK_ID, UNK_ID, c]])
@@ -46,7 +46,8 @@ def test_prompt_ids_prepend_eos_right_pad_and_map_pad_literal_to_unk():
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_padded_prompt_ends_in_the_state_of_the_prompt_run_alone(cell):
     model = build_model(ModelConfig(cell=cell, layers=2, embed_dim=8, hidden_dim=8), 11)
-    ids, lengths = sample.prompt_ids(tf.constant(["a b c d", "a"]), VOCAB.lookup_table())
+    ids, lengths = sample.prompt_ids(tf.constant(["a b c d", "a"]), VOCAB.lookup_table(),
+                                     tokenizer="whitespace")
     logits, state = model(ids)
     alone_logits, alone_state = model(ids[1:, :2])
     for layer, alone in zip(state, alone_state):
@@ -134,7 +135,8 @@ def test_without_stop_at_eos_a_continuation_crosses_sentence_ends():
     stopped = run(Alternating(), ["a"], max_tokens=5, temperature=0.0, stop_at_eos=True)
     np.testing.assert_array_equal(stopped, [[EOS_ID]])
     _, to_word = sample.vocab_tables(VOCAB)
-    text = sample.ids_to_text(tf.constant(went_on), to_word, eos_as_newline=True)
+    text = sample.ids_to_text(tf.constant(went_on), to_word, eos_as_newline=True,
+                              tokenizer="whitespace")
     assert text.numpy()[0].decode() == "\na\na\n"  # each sentence end is a line break
 
 
@@ -153,7 +155,8 @@ def test_max_tokens_bounds_the_continuation_and_zero_gives_nothing():
 def test_ids_to_text_drops_pad_and_eos():
     _, to_word = sample.vocab_tables(VOCAB)
     a, b = VOCAB.encode("a b")
-    text = sample.ids_to_text(tf.constant([[a, b, EOS_ID, 0], [0, 0, 0, 0]]), to_word)
+    text = sample.ids_to_text(tf.constant([[a, b, EOS_ID, 0], [0, 0, 0, 0]]), to_word,
+                              tokenizer="whitespace")
     assert [t.decode() for t in text.numpy()] == ["a b", ""]
 
 

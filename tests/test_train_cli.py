@@ -101,6 +101,17 @@ def cli_error(argv, capsys):
     (["--vocab-size", "3"], "error: vocab-size 3 is too small"),
     (["--intra-op-threads", "-1"], "error: intra-op-threads must be >= 0, got -1"),
     (["--weight-decay", "-1"], "error: weight-decay must be >= 0, got -1.0"),
+    (["--tokenizer", "bpe"],
+     "error: unknown tokenizer 'bpe'; expected one of: whitespace, punct, char"),
+    (["--split-fractions", "0.9,0.1,0.1"],
+     "error: split-fractions '0.9,0.1,0.1' sum to 1.1, not 1; give three fractions that sum "
+     "to 1, e.g. 0.9,0.05,0.05"),
+    (["--split-fractions", "0.9,0,0.1"],
+     "error: split-fractions '0.9,0,0.1': the valid fraction must be > 0, got 0"),
+    (["--split-fractions", "0.9,0.1"],
+     "error: split-fractions '0.9,0.1' must be three numbers train,valid,test"),
+    (["--split-fractions", "0.9,a,0.1"],
+     "error: --split-fractions '0.9,a,0.1' must be three comma-separated numbers"),
 ])
 def test_one_line_errors(extra, message, tiny_args, capsys, tmp_path):
     argv = tiny_args + extra
@@ -123,6 +134,35 @@ def test_empty_train_split(tiny_args, capsys, tmp_path):
     (d / "test.txt").write_text("a b\n")
     code, err = cli_error(tiny_args + ["--data", str(d)], capsys)
     assert code == 2 and "train" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"one line\ntwo lines\n", "non-blank lines, too few to cut by --split-fractions "
+                                "0.9,0.05,0.05 (train/valid/test would get 2/0/0 lines); it "
+                                "needs at least 16 lines"),
+    (b"text\n\0\1\2", "is binary, not text (NUL byte at offset 5)"),
+    (b"caf\xe9\n", "is not UTF-8: byte 0xe9 at offset 3"),
+])
+def test_a_bad_corpus_file_is_one_line_and_writes_nothing(content, message, tiny_args, capsys,
+                                                          tmp_path):
+    file = tmp_path / "corpus.txt"
+    file.write_bytes(content)
+    code, err = cli_error(with_flag(tiny_args, "--data", str(file)), capsys)
+    assert code == 2
+    assert err.startswith(f"error: corpus file {file} ") and message in err, err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "export").exists()
+
+
+def test_config_json_records_the_tokenizer_and_a_resume_cannot_change_it(tiny_args, tmp_path,
+                                                                         capsys):
+    assert train_main(tiny_args + ["--no-export", "--tokenizer", "punct"]) == 0
+    stored = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert stored["data"]["tokenizer"] == "punct"
+    assert stored["data"]["split_fractions"] == [0.9, 0.05, 0.05]
+    capsys.readouterr()
+    code, err = cli_error(tiny_args + ["--no-export"], capsys)
+    assert code == 2
+    assert "data.tokenizer: checkpoint has 'punct', this run asks for 'whitespace'" in err
 
 
 def test_model_dir_that_is_a_file(tiny_args, capsys, tmp_path):
@@ -150,7 +190,8 @@ def test_help_documents_every_flag():
     assert proc.returncode == 0
     for flag in ("--strategy", "--all-reduce", "--cpu-devices", "--data", "--mode", "--bptt",
                  "--tie-embeddings", "--clip-norm", "--model-dir", "--export-dir", "--no-export",
-                 "--metrics-json", "--batch-size", "--intra-op-threads"):
+                 "--metrics-json", "--batch-size", "--intra-op-threads", "--tokenizer",
+                 "--split-fractions"):
         assert flag in proc.stdout
 
 

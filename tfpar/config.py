@@ -25,11 +25,38 @@ SCALE_LR = ("none", "linear")
 ON_NAN = ("stop", "skip")
 TOWER_REDUCE = ("controller", "ring")
 COMMUNICATION = ("auto", "ring", "nccl")
+# How text becomes tokens; defined in tfpar/data/tokenize.py.
+TOKENIZERS = ("whitespace", "punct", "char")
+# How a one-file corpus is cut into train, valid and test by default.
+SPLIT_FRACTIONS = (0.9, 0.05, 0.05)
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"unknown {name} {value!r}; expected one of: {', '.join(allowed)}")
+
+
+def check_tokenizer(name: str) -> None:
+    """Raises ConfigError unless ``name`` is one of :data:`TOKENIZERS`."""
+    _choice("tokenizer", name, TOKENIZERS)
+
+
+def check_split_fractions(fractions: tuple[float, ...]) -> None:
+    """Raises ConfigError unless ``fractions`` are three positive numbers summing to 1."""
+    shown = ",".join(f"{f:g}" for f in fractions)
+    if len(fractions) != 3:
+        raise ConfigError(
+            f"split-fractions {shown!r} must be three numbers train,valid,test, "
+            f"e.g. {','.join(map(str, SPLIT_FRACTIONS))}")
+    for split, f in zip(("train", "valid", "test"), fractions):
+        if not f > 0:
+            raise ConfigError(
+                f"split-fractions {shown!r}: the {split} fraction must be > 0, got {f:g}; "
+                "every split needs lines")
+    if abs(sum(fractions) - 1.0) > 1e-6:
+        raise ConfigError(
+            f"split-fractions {shown!r} sum to {sum(fractions):.6g}, not 1; give three "
+            f"fractions that sum to 1, e.g. {','.join(map(str, SPLIT_FRACTIONS))}")
 
 
 def _positive(name: str, value: float) -> None:
@@ -47,8 +74,14 @@ class DataConfig:
     """Where text comes from and how it becomes batches."""
 
     # "synthetic" (generated, with an exact oracle), "ptb" / "wikitext-2" (found in
-    # input_dir), "tfds:NAME" (TensorFlow Datasets, never downloaded here) or a folder path.
+    # input_dir), "tfds:NAME" (TensorFlow Datasets, never downloaded here), a folder path,
+    # or the path of one text file (cut into train/valid/test by split_fractions).
     source: str = "synthetic"
+    # A one-file source's train, valid and test shares of its non-blank lines, taken as
+    # contiguous blocks in that order (ignored by other sources).
+    split_fractions: tuple[float, float, float] = SPLIT_FRACTIONS
+    # How lines become tokens: "whitespace", "punct" or "char" (tfpar/data/tokenize.py).
+    tokenizer: str = "whitespace"
     # Folder that holds named corpora: input/<name>/.
     input_dir: str = "input"
     # TensorFlow Datasets data_dir for tfds:NAME sources (None: TFDS's default).
@@ -76,6 +109,9 @@ class DataConfig:
     synthetic_test: int = 2000
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "split_fractions", tuple(self.split_fractions))
+        check_split_fractions(self.split_fractions)
+        check_tokenizer(self.tokenizer)
         _choice("mode", self.mode, MODES)
         _choice("long-sentences policy", self.long_sentences, LONG_SENTENCES)
         _positive("bptt", self.bptt)
@@ -343,7 +379,8 @@ class Config:
 INCOMPATIBLE_ON_RESUME = (
     ("model", "cell"), ("model", "layers"), ("model", "embed_dim"), ("model", "hidden_dim"),
     ("model", "tie_embeddings"), ("data", "source"), ("data", "vocab_size"),
-    ("data", "min_count"), ("train", "optimizer"),
+    ("data", "min_count"), ("data", "tokenizer"), ("data", "split_fractions"),
+    ("train", "optimizer"),
 )
 
 

@@ -1,8 +1,8 @@
-"""Where text comes from: corpus folders (PTB, WikiText-2, your own) and TFDS.
+"""Where text comes from: corpus folders (PTB, WikiText-2, your own), one text file, TFDS.
 
 Every source becomes a :class:`Corpus`: three lists of sentences, one sentence per item,
-each stripped of surrounding whitespace, with blank lines dropped. Tokens are whatever
-``str.split()`` gives; this module never tokenises or builds a vocabulary.
+each stripped of surrounding whitespace, with blank lines dropped. This module never
+tokenises (``tfpar.data.tokenize`` does) or builds a vocabulary.
 
 A corpus folder holds three UTF-8 text files, one sentence per line, named by one of
 :data:`SPLIT_PATTERNS`::
@@ -11,6 +11,13 @@ A corpus folder holds three UTF-8 text files, one sentence per line, named by on
     input/wikitext-2/wiki.{train,valid,test}.tokens
     my_corpus/{train,valid,test}.txt
 
+One UTF-8 text file (``--data input.txt``) is cut into three contiguous blocks of its
+non-blank lines, train first, then valid, then test, by ``split_fractions``; block ``k``
+ends at line ``floor(n * (f_0 + … + f_k) + 0.5)`` of ``n`` (see :func:`split_bounds`)::
+
+    lines:  0 ............................ 89 | 90 ... 94 | 95 ... 99     (n = 100)
+            train (0.9)                        valid (0.05) test (0.05)
+
 The generated ``synthetic`` corpus lives in ``tfpar.data.synthetic``, not here.
 """
 
@@ -18,10 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Iterable
 
+from tfpar.config import SPLIT_FRACTIONS, check_split_fractions
 from tfpar.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -50,7 +59,8 @@ class Corpus:
     print a whole corpus.
     """
 
-    # "ptb", "wikitext-2", "tfds:tiny_shakespeare", or the folder name for --data DIR.
+    # "ptb", "wikitext-2", "tfds:tiny_shakespeare", or the folder (file) name for --data
+    # DIR (--data FILE).
     name: str
     # One sentence per item: stripped, never empty; tokens are separated by whitespace.
     train: list[str] = dataclasses.field(repr=False)
@@ -160,6 +170,7 @@ def _find_split_files(folder: Path) -> dict[str, Path]:
 
 
 def _read_bytes(file: Path, split: str) -> bytes:
+    """The file's bytes; ``split`` names it in errors ("train", …, or "corpus")."""
     try:
         return file.read_bytes()
     except PermissionError:
@@ -232,6 +243,72 @@ def read_text_dir(path: str | os.PathLike) -> Corpus:
     corpus = Corpus(name=Path(os.path.abspath(folder)).name, **splits)
     logger.info("Read corpus %s from %s: %s sentences (train/valid/test)", corpus.name,
                 folder, "/".join(str(len(splits[s])) for s in SPLITS))
+    return corpus
+
+
+def split_bounds(n: int, fractions: tuple[float, ...]) -> tuple[int, int]:
+    """Where train ends and test begins among ``n`` lines cut by ``fractions``.
+
+    Returns ``(b1, b2)``: train is lines ``[0, b1)``, valid ``[b1, b2)``, test ``[b2, n)``,
+    with ``b_k = floor(n * (f_0 + … + f_{k-1}) + 0.5)``: cumulative rounding, so the three
+    counts always add up to ``n`` and each is within one line of ``n * f_k``.
+    """
+    b1 = math.floor(n * fractions[0] + 0.5)
+    b2 = math.floor(n * (fractions[0] + fractions[1]) + 0.5)
+    return min(b1, n), min(max(b2, b1), n)
+
+
+def _lines_needed(fractions: tuple[float, ...]) -> int:
+    """The least ``n`` from which on every line count gives every split a line.
+
+    ``n * f_k >= 1`` for every k is enough (cumulative rounding then gives split k at
+    least one line); below that, counts are tried one by one.
+    """
+    def fits(n: int) -> bool:
+        b1, b2 = split_bounds(n, fractions)
+        return 0 < b1 < b2 < n
+
+    n = math.ceil(1 / min(fractions)) + 1  # +1: room for float rounding of n * f
+    while n > 3 and fits(n - 1):
+        n -= 1
+    return n
+
+
+def read_text_file(path: str | os.PathLike,
+                   split_fractions: tuple[float, ...] = SPLIT_FRACTIONS) -> Corpus:
+    """Reads one text file and cuts its lines into train, valid and test.
+
+    Args:
+        path: A UTF-8 text file, one sentence per line.
+        split_fractions: The train, valid and test shares of the file's non-blank lines,
+            each > 0, summing to 1; the splits are contiguous blocks in that order (see
+            :func:`split_bounds`), so the same file always gives the same splits.
+
+    Returns:
+        The corpus, named after the file. Blank lines are dropped first; other lines
+        stripped.
+
+    Raises:
+        ConfigError: If the fractions are not three positive numbers summing to 1.
+        DataError: If the file cannot be read, is binary or not UTF-8, or has too few
+            non-blank lines to give every split one.
+    """
+    check_split_fractions(tuple(split_fractions))
+    file = Path(path)
+    lines = _sentences(_decode(_read_bytes(file, "corpus"), file, "corpus").split("\n"))
+    b1, b2 = split_bounds(len(lines), split_fractions)
+    counts = (b1, b2 - b1, len(lines) - b2)
+    shown = ",".join(f"{f:g}" for f in split_fractions)
+    if min(counts) == 0:
+        raise DataError(
+            f"corpus file {file} has {len(lines)} non-blank lines, too few to cut by "
+            f"--split-fractions {shown} (train/valid/test would get "
+            f"{'/'.join(map(str, counts))} lines); it needs at least "
+            f"{_lines_needed(split_fractions)} lines, or give larger valid/test fractions")
+    corpus = Corpus(name=Path(os.path.abspath(file)).name, train=lines[:b1],
+                    valid=lines[b1:b2], test=lines[b2:])
+    logger.info("Split corpus file %s by fractions %s: %s lines (train/valid/test)", file,
+                shown, "/".join(map(str, counts)))
     return corpus
 
 
@@ -370,15 +447,18 @@ def load_tfds(name: str, *, data_dir: str | None = None) -> Corpus:
 
 
 def load_text_corpus(source: str, *, input_dir: str | os.PathLike = "input",
-                     tfds_data_dir: str | None = None) -> Corpus:
+                     tfds_data_dir: str | None = None,
+                     split_fractions: tuple[float, ...] = SPLIT_FRACTIONS) -> Corpus:
     """Reads the corpus that ``--data SOURCE`` names.
 
     Args:
         source: ``tfds:NAME`` (see :func:`load_tfds`), a known corpus name found in
-            ``input_dir`` (see :func:`resolve_named`), or a folder path (see
-            :func:`read_text_dir`). ``synthetic`` is handled by the caller, not here.
+            ``input_dir`` (see :func:`resolve_named`), a folder path (see
+            :func:`read_text_dir`) or a file path (see :func:`read_text_file`).
+            ``synthetic`` is handled by the caller, not here.
         input_dir: The folder that holds one subfolder per named corpus.
         tfds_data_dir: TFDS data folder for ``tfds:NAME``; None uses TFDS's default.
+        split_fractions: How a file source is cut into train, valid and test.
 
     Returns:
         The corpus.
@@ -398,5 +478,7 @@ def load_text_corpus(source: str, *, input_dir: str | os.PathLike = "input",
     if not os.path.exists(source):
         raise DataError(
             f"data source {source!r} is not a known corpus ({_known_names()}), not tfds:NAME "
-            "and not an existing folder; pass one of those")
+            "and not an existing folder or file; pass one of those")
+    if os.path.isfile(source):
+        return read_text_file(source, split_fractions)
     return read_text_dir(source)

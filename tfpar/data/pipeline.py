@@ -8,6 +8,9 @@ Every element, in both modes, is a dict::
 padding. ``B`` is a per-replica (or, before sharding, global) batch and ``T`` varies from
 batch to batch.
 
+Tokens are what ``tfpar.data.tokenize.split_tokens`` makes of a line with the
+vocabulary's tokenizer (words, words and punctuation, or characters).
+
 Sentence mode (default). A line ``w1 … wn`` becomes one example; ``<eos>`` stands on both
 ends so the first word is predicted from a sentence start and the end is predicted too::
 
@@ -46,6 +49,7 @@ import tensorflow as tf
 
 from tfpar.config import DataConfig
 from tfpar.errors import DataError
+from tfpar.data.tokenize import split_tokens
 from tfpar.data.vocab import EOS_ID, PAD_ID, Vocab
 
 log = logging.getLogger(__name__)
@@ -53,20 +57,26 @@ AUTOTUNE = tf.data.AUTOTUNE
 
 
 # ----------------------------------------------------------------------------- tokenising
-def tokenize(lines: tf.Tensor, table: tf.lookup.StaticHashTable) -> tf.RaggedTensor:
-    """[N] strings → [N, (n_i)] int32 word ids (whitespace split, OOV → <unk>)."""
-    words = tf.strings.split(lines)
+def tokenize(lines: tf.Tensor, table: tf.lookup.StaticHashTable, *,
+             tokenizer: str) -> tf.RaggedTensor:
+    """[N] strings → [N, (n_i)] int32 token ids (``tfpar.data.tokenize.split_tokens``
+    with ``tokenizer``, OOV → <unk>)."""
+    words = split_tokens(lines, tokenizer)
     return tf.cast(tf.ragged.map_flat_values(table.lookup, words), tf.int32)
 
 
-def sentence_lengths(lines: Sequence[str]) -> np.ndarray:
-    """Predicted tokens per line in sentence mode: words + one ``<eos>``."""
-    return np.fromiter((len(l.split()) + 1 for l in lines), np.int64, len(lines))
+def sentence_lengths(lines: Sequence[str], *, tokenizer: str) -> np.ndarray:
+    """[N] lines → [N] int64 predicted tokens per line in sentence mode: tokens + one
+    ``<eos>``."""
+    lengths = [split_tokens(tf.constant(list(lines[i:i + 4096]), tf.string),
+                            tokenizer).row_lengths().numpy()
+               for i in range(0, len(lines), 4096)]
+    return np.concatenate([np.zeros([0], np.int64), *lengths]).astype(np.int64) + 1
 
 
 def stream_ids(lines: Sequence[str], vocab: Vocab) -> tf.Tensor:
     """The whole split as one [N] int32 stream: each line's ids then ``<eos>``."""
-    ids = tokenize(tf.constant(list(lines)), vocab.lookup_table())
+    ids = tokenize(tf.constant(list(lines)), vocab.lookup_table(), tokenizer=vocab.tokenizer)
     eos = tf.fill([ids.nrows(), 1], EOS_ID)
     return tf.concat([ids, tf.RaggedTensor.from_tensor(eos)], axis=1).flat_values
 
@@ -178,7 +188,11 @@ class InputData:
         for name, lines in splits.items():
             if not lines:
                 raise DataError(f"the {name} split has no sentences (only blank lines or empty)")
-        train_lengths = sentence_lengths(splits["train"])
+        if vocab.tokenizer != config.tokenizer:
+            raise DataError(f"the vocabulary was built with the {vocab.tokenizer!r} tokenizer "
+                            f"but the data config asks for {config.tokenizer!r}; build it "
+                            "with the config's tokenizer")
+        train_lengths = sentence_lengths(splits["train"], tokenizer=vocab.tokenizer)
         self.boundaries = bucket_boundaries(
             train_lengths, config.max_length, config.max_pad_fraction
         )
@@ -195,8 +209,10 @@ class InputData:
         max_len = self.config.max_length
         split_long = self.config.long_sentences == "split"
 
+        tokenizer = self.vocab.tokenizer
+
         def encode(line_batch):
-            ids = tokenize(line_batch, table)
+            ids = tokenize(line_batch, table, tokenizer=tokenizer)
             eos = tf.fill([ids.nrows(), 1], EOS_ID)
             eos = tf.RaggedTensor.from_tensor(eos)
             full = tf.concat([eos, ids, eos], axis=1)

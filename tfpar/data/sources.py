@@ -1,4 +1,4 @@
-"""Loads the corpus a config names: the synthetic source or text (folder, named, TFDS).
+"""Loads the corpus a config names: the synthetic source or text (folder, file, named, TFDS).
 
 The one function the loop and the scripts call; it returns plain Python lists, so the
 input pipeline never needs to know where the text came from.
@@ -45,7 +45,8 @@ def load_corpus(config: DataConfig, *, seed: int = 0) -> LoadedCorpus:
     from tfpar.data import corpora
 
     corpus = corpora.load_text_corpus(
-        config.source, input_dir=config.input_dir, tfds_data_dir=config.tfds_data_dir
+        config.source, input_dir=config.input_dir, tfds_data_dir=config.tfds_data_dir,
+        split_fractions=config.split_fractions,
     )
     return LoadedCorpus(corpus.name, {"train": corpus.train, "valid": corpus.valid,
                                       "test": corpus.test})

@@ -2,7 +2,8 @@
 
 Ids 0, 1 and 2 are always ``<pad>``, ``<unk>`` and ``<eos>``; words follow in order of
 falling train frequency, ties broken by the word itself so the same corpus always gives
-the same ids. The file format is one token per line, line number = id.
+the same ids. The file format is one token per line, line number = id. Tokens are what
+``tfpar.data.tokenize.split_tokens`` makes of a line; they never hold a line break.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Iterable
 import numpy as np
 import tensorflow as tf
 
+from tfpar.data.tokenize import join_tokens, split_tokens
 from tfpar.errors import DataError
 
 PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
@@ -30,24 +32,33 @@ class Vocab:
     tokens: tuple[str, ...]
     # Train-split count of every token id (specials: <eos> counts one per sentence).
     counts: tuple[int, ...] = ()
+    # The tokenizer that made the tokens (tfpar.data.tokenize): the pipeline, the
+    # samples and the export split text with it.
+    tokenizer: str = "whitespace"
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     @classmethod
-    def build(cls, lines: Iterable[str], *, max_size: int = 0, min_count: int = 1) -> "Vocab":
-        """Counts whitespace tokens of ``lines`` and keeps the most frequent.
+    def build(cls, lines: Iterable[str], *, tokenizer: str = "whitespace", max_size: int = 0,
+              min_count: int = 1) -> "Vocab":
+        """Counts the tokens of ``lines`` and keeps the most frequent.
+
+        Tokens are counted in TF ops by :func:`tfpar.data.tokenize.split_tokens`, the
+        function training and serving split text with.
 
         Args:
           lines: train sentences.
+          tokenizer: one of ``tfpar.data.tokenize.TOKENIZERS``.
           max_size: keep at most this many entries, the three specials included (0: all).
           min_count: drop words seen fewer times.
         """
+        lines = list(lines)
         counter: collections.Counter[str] = collections.Counter()
-        num_lines = 0
-        for line in lines:
-            counter.update(line.split())
-            num_lines += 1
+        for flat, _ in _token_batches(lines, tokenizer):
+            words, _, counts = tf.unique_with_counts(flat)
+            counter.update(dict(zip((w.decode("utf-8") for w in words.numpy()),
+                                    counts.numpy().tolist())))
         unk_in_text = counter.pop(UNK, 0)
         eos_in_text = counter.pop(EOS, 0)
         counter.pop(PAD, None)
@@ -58,8 +69,8 @@ class Vocab:
             words = words[: max_size - len(SPECIALS)]
         kept = set(words)
         unk_count = unk_in_text + sum(c for w, c in counter.items() if w not in kept)
-        counts = (0, unk_count, num_lines + eos_in_text) + tuple(counter[w] for w in words)
-        return cls(tokens=SPECIALS + tuple(words), counts=counts)
+        counts = (0, unk_count, len(lines) + eos_in_text) + tuple(counter[w] for w in words)
+        return cls(tokens=SPECIALS + tuple(words), counts=counts, tokenizer=tokenizer)
 
     def save(self, directory: str | os.PathLike) -> str:
         """Writes ``vocab.txt`` into ``directory`` (atomically) and returns its path."""
@@ -71,14 +82,15 @@ class Vocab:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Vocab":
-        """Reads a file written by :meth:`save`."""
+    def load(cls, path: str | os.PathLike, *, tokenizer: str = "whitespace") -> "Vocab":
+        """Reads a file written by :meth:`save`; the file does not name its tokenizer
+        (the run's config.json does), so the caller does."""
         with open(path, encoding="utf-8") as f:
             tokens = tuple(line.rstrip("\n") for line in f)
         if tokens[: len(SPECIALS)] != SPECIALS:
             raise DataError(f"{os.fspath(path)} is not a tfpar vocabulary: it must start with "
                             f"{', '.join(SPECIALS)}")
-        return cls(tokens=tokens)
+        return cls(tokens=tokens, tokenizer=tokenizer)
 
     def lookup_table(self) -> tf.lookup.StaticHashTable:
         """A word -> id table; unknown words map to ``<unk>``."""
@@ -90,12 +102,16 @@ class Vocab:
         return tf.lookup.StaticHashTable(init, default_value=UNK_ID)
 
     def encode(self, line: str) -> list[int]:
-        """Python-side lookup for tests and tools (training uses :meth:`lookup_table`)."""
-        index = {t: i for i, t in enumerate(self.tokens)}
-        return [index.get(w, UNK_ID) for w in line.split()]
+        """The ids of one line's tokens, for tests and tools (``<eos>`` not added)."""
+        ids = self.lookup_table().lookup(split_tokens([line], self.tokenizer).flat_values)
+        return ids.numpy().tolist()
 
     def decode(self, ids: Iterable[int]) -> str:
-        return " ".join(self.tokens[i] for i in ids if i != PAD_ID)
+        """Ids → text: tokens joined as :func:`tfpar.data.tokenize.join_tokens` joins
+        them, ``<pad>`` dropped, ``<eos>`` written as a line break."""
+        tokens = ["\n" if i == EOS_ID else self.tokens[i] for i in ids if i != PAD_ID]
+        return join_tokens(tf.ragged.constant([tokens], tf.string), self.tokenizer)[0] \
+            .numpy().decode("utf-8")
 
     def unigram_perplexity(self, lines: Iterable[str]) -> float:
         """Perplexity of ``lines`` under this vocabulary's train unigram distribution.
@@ -108,10 +124,19 @@ class Vocab:
             raise DataError("unigram perplexity needs a vocabulary built from train counts")
         probs = (counts + 1.0) / (counts.sum() + len(counts))
         probs[PAD_ID] = 0.0
-        index = {t: i for i, t in enumerate(self.tokens)}
+        table = self.lookup_table()
         total, tokens = 0.0, 0
-        for line in lines:
-            ids = [index.get(w, UNK_ID) for w in line.split()] + [EOS_ID]
-            total -= float(np.log(probs[ids]).sum())
-            tokens += len(ids)
+        for flat, rows in _token_batches(lines, self.tokenizer):
+            ids = table.lookup(flat).numpy()
+            # Every line also predicts one <eos>.
+            total -= float(np.log(probs[ids]).sum()) + rows * float(np.log(probs[EOS_ID]))
+            tokens += len(ids) + rows
         return float(np.exp(total / max(tokens, 1)))
+
+
+def _token_batches(lines: Iterable[str], tokenizer: str, batch: int = 4096):
+    """``(tokens [M] string, rows)`` of every ``batch`` lines, split in TF ops."""
+    lines = list(lines)
+    for start in range(0, len(lines), batch):
+        chunk = lines[start:start + batch]
+        yield split_tokens(tf.constant(chunk, tf.string), tokenizer).flat_values, len(chunk)

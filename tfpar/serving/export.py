@@ -11,9 +11,9 @@ Signatures (their names, inputs and outputs are the serving contract):
     in:  ``token_ids`` int32 [B, T], 0 = padding, every id < V
     out: ``log_probs`` float32 [B, T, V], next-token log-probabilities at every position
   score
-    in:  ``text`` string [B], whitespace-separated words
+    in:  ``text`` string [B], split by the training run's tokenizer (built in; see below)
     out: ``nll`` float32 [B] (summed negative log-likelihood, nats),
-         ``tokens`` int32 [B] (predicted tokens: words + 1),
+         ``tokens`` int32 [B] (predicted tokens: the text's tokens + 1),
          ``perplexity`` float32 [B] (``exp(nll / tokens)``)
     A text ``w1 … wn`` is scored as in sentence-mode evaluation: inputs ``<eos> w1 … wn``,
     targets ``w1 … wn <eos>``; unknown words are ``<unk>``. Unlike evaluation, a text
@@ -22,12 +22,17 @@ Signatures (their names, inputs and outputs are the serving contract):
     in:  ``prompt`` string [B], ``max_tokens`` int32 [], ``temperature`` float32 [],
          ``top_k`` int32 [], ``seed`` int32 []
     out: ``text`` string [B], the continuation only (without the prompt), at most
-         ``max_tokens`` words, ending before ``<eos>``. ``temperature`` 0 or ``top_k`` 1:
+         ``max_tokens`` tokens, ``<eos>`` written as a line break (or, with
+         ``stop_at_eos``, ending before it). ``temperature`` 0 or ``top_k`` 1:
          greedy; ``top_k`` 0: no top-k cut. The same seed gives the same text
          (see ``tfpar.serving.sample``).
 
 Tokenisation and vocabulary lookups run inside the graph; the vocabulary travels with
-the model as the asset ``vocab.txt`` (line number = id). Loading needs only TensorFlow:
+the model as the asset ``vocab.txt`` (line number = id). The tokenizer of the run
+(``whitespace``, ``punct`` or ``char``; ``tfpar.data.tokenize``) is traced into ``score``
+and ``generate``, so a reloaded model splits and joins text as its training did without
+being told; its name is the string variable ``tokenizer`` of the loaded object. Loading
+needs only TensorFlow:
 ``tf.saved_model.load(path).signatures["score"](text=tf.constant(["a b"]))``.
 """
 
@@ -56,9 +61,12 @@ SIGNATURES = ("serving_default", "score", "generate")
 class LanguageModelModule(tf.Module):
     """What the SavedModel holds: the model, the vocabulary tables and the signatures."""
 
-    def __init__(self, model, vocab_file: str):
+    def __init__(self, model, vocab_file: str, *, tokenizer: str):
         super().__init__()
         self.model = model
+        self._tokenizer = tokenizer  # Python: fixed in the traced signatures.
+        self.tokenizer = tf.Variable(tokenizer, trainable=False, dtype=tf.string,
+                                     name="tokenizer")
         self.vocab_size = model.vocab_size
         self.vocab_asset = tf.saved_model.Asset(vocab_file)
         self.table = tf.lookup.StaticHashTable(
@@ -93,7 +101,7 @@ class LanguageModelModule(tf.Module):
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
     def score(self, text):
         """[B] texts → {"nll": [B] float32, "tokens": [B] int32, "perplexity": [B] float32}."""
-        ids = sample.word_ids(text, self.table)
+        ids = sample.word_ids(text, self.table, tokenizer=self._tokenizer)
         eos = tf.RaggedTensor.from_tensor(tf.fill([ids.nrows(), 1], EOS_ID))
         full = tf.concat([eos, ids, eos], axis=1)
         inputs = full[:, :-1].to_tensor(default_value=PAD_ID)
@@ -128,12 +136,13 @@ class LanguageModelModule(tf.Module):
                 top_k, message="top_k must be >= 0 (0 keeps every token, 1 is greedy)"),
         ]
         with tf.control_dependencies(checks):
-            ids, lengths = sample.prompt_ids(prompt, self.table)
+            ids, lengths = sample.prompt_ids(prompt, self.table, tokenizer=self._tokenizer)
         out = sample.generate_ids(self.model, ids, lengths, max_tokens=max_tokens,
                                   temperature=temperature, top_k=top_k, seed=seed,
                                   stop_at_eos=stop_at_eos)
         return {"text": sample.ids_to_text(out, self.words,
-                                           eos_as_newline=tf.logical_not(stop_at_eos))}
+                                           eos_as_newline=tf.logical_not(stop_at_eos),
+                                           tokenizer=self._tokenizer)}
 
     def signatures(self) -> dict:
         return {"serving_default": self.serving_default, "score": self.score,
@@ -174,7 +183,8 @@ def export_model(model, vocab: Vocab, config: Config) -> str:
     try:
         vocab.save(staging)
         module = LanguageModelModule(fresh_copy(model, config),
-                                     os.path.join(staging, "vocab.txt"))
+                                     os.path.join(staging, "vocab.txt"),
+                                     tokenizer=vocab.tokenizer)
         out = os.path.join(staging, "model")
         tf.saved_model.save(module, out, signatures=module.signatures())
         final = _rename_to_next_version(out, base)

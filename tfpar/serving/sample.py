@@ -4,8 +4,10 @@ Used in two places: the SavedModel's ``generate`` signature (so serving needs no
 and no tfpar) and the text samples TensorBoard shows after every epoch. Everything here
 runs inside a ``tf.function``::
 
-    prompt "the cat"   →  ids  <eos> the cat <pad> <pad>      (right-padded to the batch's
-                                                               longest prompt; length 3)
+    prompt "the cat"   →  ids  <eos> the cat <pad> <pad>      (split by the model's
+                                                               tokenizer, right-padded to
+                                                               the batch's longest prompt;
+                                                               length 3)
     run the model on the padded prompt: the embedding's mask carries the RNN state over the
     padding, so each row's final state is the state after its own last word, and its
     next-token logits are the ones at position length - 1;
@@ -14,9 +16,10 @@ runs inside a ``tf.function``::
 With ``stop_at_eos`` a row stops at its first ``<eos>`` (which is not part of the text);
 without it (the ``generate`` script's and signature's usual choice) the ``<eos>`` is fed
 back like any word, the row goes on into the next sentence, and the text shows each
-``<eos>`` as a line break. ``<pad>`` and ``<unk>`` are never picked; a row whose scores
-are not finite (a diverged model) stops at once. The output text is the continuation
-only, without the prompt.
+``<eos>`` as a line break (a ``char`` model's text thus runs over several lines; its
+characters are joined with nothing, other tokenizers' tokens with spaces). ``<pad>`` and
+``<unk>`` are never picked; a row whose scores are not finite (a diverged model) stops at
+once. The output text is the continuation only, without the prompt.
 
 Token choice: greedy (argmax) when ``temperature <= 0`` or ``top_k == 1``; otherwise a draw
 from ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens
@@ -29,27 +32,28 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfpar.data.pipeline import tokenize
+from tfpar.data.tokenize import join_tokens
 from tfpar.data.vocab import EOS_ID, PAD_ID, UNK_ID, Vocab
 
 # Ids generation never produces.
 NEVER_SAMPLED = (PAD_ID, UNK_ID)
 
 
-def word_ids(lines: tf.Tensor, table) -> tf.RaggedTensor:
-    """[B] strings → [B, (n_i)] int32 ids, split on whitespace as in training.
+def word_ids(lines: tf.Tensor, table, *, tokenizer: str) -> tf.RaggedTensor:
+    """[B] strings → [B, (n_i)] int32 ids, split by ``tokenizer`` as in training.
 
     A literal ``<pad>`` in the text is a word the model never saw, so it becomes ``<unk>``
     (as in the input pipeline) rather than id 0, which would be read as padding.
     """
-    ids = tokenize(lines, table)
+    ids = tokenize(lines, table, tokenizer=tokenizer)
     return tf.ragged.map_flat_values(
         lambda v: tf.where(tf.equal(v, PAD_ID), tf.constant(UNK_ID, v.dtype), v), ids)
 
 
-def prompt_ids(prompts: tf.Tensor, table) -> tuple[tf.Tensor, tf.Tensor]:
+def prompt_ids(prompts: tf.Tensor, table, *, tokenizer: str) -> tuple[tf.Tensor, tf.Tensor]:
     """[B] prompt strings → (``<eos>`` + prompt ids [B, P] int32 right-padded with 0,
-    lengths [B] int32 counting the ``<eos>``)."""
-    ids = word_ids(prompts, table)
+    lengths [B] int32 counting the ``<eos>``), split by ``tokenizer``."""
+    ids = word_ids(prompts, table, tokenizer=tokenizer)
     eos = tf.RaggedTensor.from_tensor(tf.fill([ids.nrows(), 1], EOS_ID))
     full = tf.concat([eos, ids], axis=1)
     return full.to_tensor(default_value=PAD_ID), tf.cast(full.row_lengths(), tf.int32)
@@ -154,9 +158,10 @@ def generate_ids(model, prompt: tf.Tensor, lengths: tf.Tensor, *, max_tokens: tf
     return out
 
 
-def ids_to_text(ids: tf.Tensor, words, eos_as_newline=False) -> tf.Tensor:
-    """[B, N] ids → [B] strings: the words joined by spaces, ``<pad>`` dropped, and
-    ``<eos>`` dropped or (``eos_as_newline``, a bool scalar) written as a line break.
+def ids_to_text(ids: tf.Tensor, words, eos_as_newline=False, *, tokenizer: str) -> tf.Tensor:
+    """[B, N] ids → [B] strings: the tokens joined as ``tokenizer`` joins them (by spaces,
+    or by nothing for ``char``; ``tfpar.data.tokenize.join_tokens``), ``<pad>`` dropped,
+    and ``<eos>`` dropped or (``eos_as_newline``, a bool scalar) written as a line break.
 
     ``words`` maps int64 ids to strings (a ``tf.lookup`` table of id → word).
     """
@@ -166,8 +171,7 @@ def ids_to_text(ids: tf.Tensor, words, eos_as_newline=False) -> tf.Tensor:
     kept = tf.ragged.boolean_mask(ids, keep)
     text = tf.ragged.map_flat_values(
         lambda v: tf.where(tf.equal(v, EOS_ID), "\n", words.lookup(tf.cast(v, tf.int64))), kept)
-    joined = tf.strings.reduce_join(text, axis=1, separator=" ")
-    return tf.strings.regex_replace(joined, " ?\n ?", "\n")  # words never hold "\n"
+    return join_tokens(text, tokenizer)
 
 
 def vocab_tables(vocab: Vocab):
@@ -191,6 +195,7 @@ class Sampler:
     def __init__(self, model, vocab: Vocab):
         self.model = model
         self._to_id, self._to_word = vocab_tables(vocab)
+        tokenizer = vocab.tokenizer
 
         @tf.function(input_signature=[
             tf.TensorSpec([None], tf.string), tf.TensorSpec([], tf.int32),
@@ -198,10 +203,10 @@ class Sampler:
             tf.TensorSpec([], tf.int32),
         ])
         def run(prompts, max_tokens, temperature, top_k, seed):
-            ids, lengths = prompt_ids(prompts, self._to_id)
+            ids, lengths = prompt_ids(prompts, self._to_id, tokenizer=tokenizer)
             out = generate_ids(self.model, ids, lengths, max_tokens=max_tokens,
                                temperature=temperature, top_k=top_k, seed=seed)
-            return ids_to_text(out, self._to_word)
+            return ids_to_text(out, self._to_word, tokenizer=tokenizer)
 
         self._run = run
 

@@ -67,7 +67,18 @@ def add_data_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data", default="synthetic",
                    help="synthetic | ptb | wikitext-2 | tfds:NAME | a folder with "
-                        "train/valid/test splits (default: %(default)s)")
+                        "train/valid/test splits | one UTF-8 text file, cut into "
+                        "train/valid/test by --split-fractions (default: %(default)s)")
+    g.add_argument("--split-fractions", default=",".join(map(str, cfg.SPLIT_FRACTIONS)),
+                   metavar="TRAIN,VALID,TEST",
+                   help="a one-file --data: the train,valid,test shares of its non-blank "
+                        "lines, taken as contiguous blocks in that order; each > 0, summing "
+                        "to 1 (default: %(default)s)")
+    g.add_argument("--tokenizer", default="whitespace",
+                   help="how lines become tokens: whitespace (split at spaces and tabs) | "
+                        "punct (words and punctuation apart: 'sir!' -> 'sir !') | char "
+                        "(every character, spaces included; a line end is <eos>) "
+                        "(default: %(default)s)")
     g.add_argument("--input-dir", default="input",
                    help="folder holding named corpora as <input-dir>/<name>/ "
                         "(default: %(default)s)")
@@ -208,6 +219,17 @@ def _int_list(flag: str, text: str, count: int | None = None) -> tuple[int, ...]
     return values
 
 
+def split_fractions(text: str) -> tuple[float, ...]:
+    """``"0.9,0.05,0.05"`` → ``(0.9, 0.05, 0.05)``; ConfigError if not numbers (the
+    values themselves are checked by ``DataConfig``)."""
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"--split-fractions {text!r} must be three comma-separated numbers "
+            f"train,valid,test, e.g. {','.join(map(str, cfg.SPLIT_FRACTIONS))}") from None
+
+
 def dist_config_from_args(a: argparse.Namespace) -> cfg.DistConfig:
     """The DistConfig of :func:`add_distribution_flags`' flags (every script that takes
     them)."""
@@ -231,7 +253,9 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
         raise ConfigError(f"--profile-steps {a.profile_steps!r} must be A,B with 0 < A <= B")
     return cfg.Config(
         data=cfg.DataConfig(
-            source=a.data, input_dir=a.input_dir, tfds_data_dir=a.tfds_data_dir, mode=a.mode,
+            source=a.data, split_fractions=split_fractions(a.split_fractions),
+            tokenizer=a.tokenizer, input_dir=a.input_dir, tfds_data_dir=a.tfds_data_dir,
+            mode=a.mode,
             bptt=a.bptt, vocab_size=a.vocab_size, min_count=a.min_count,
             max_length=a.max_length, long_sentences=a.long_sentences,
             max_pad_fraction=a.max_pad_fraction, synthetic_train=s_train,

@@ -55,11 +55,11 @@ def check_batch_sizes(config: Config, num_replicas: int) -> None:
 def prepare_vocab(config: Config, corpus: LoadedCorpus, model_dir: str, is_chief: bool) -> Vocab:
     """The train vocabulary; a resumed run checks it against the one saved beside its
     checkpoints, so ids cannot silently change."""
-    vocab = Vocab.build(corpus.splits["train"], max_size=config.data.vocab_size,
-                        min_count=config.data.min_count)
+    vocab = Vocab.build(corpus.splits["train"], tokenizer=config.data.tokenizer,
+                        max_size=config.data.vocab_size, min_count=config.data.min_count)
     saved = os.path.join(model_dir, "vocab.txt")
     if os.path.exists(saved):
-        old = Vocab.load(saved)
+        old = Vocab.load(saved, tokenizer=config.data.tokenizer)
         if old.tokens != vocab.tokens:
             raise checkpoints.incompatible(
                 model_dir, f"vocabulary: {len(old)} entries saved, {len(vocab)} built now")
@@ -89,14 +89,15 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     log.info("strategy %s", plugin.describe())
     plugin.check_config(config)
     check_batch_sizes(config, plugin.num_replicas)
-    with checkpoints.open_model_dir(config, plugin.is_chief) as model_dir:
-        return _train(config, plugin, model_dir)
-
-
-def _train(config: Config, plugin, model_dir: str) -> dict[str, Any]:
-    """The run itself, in a model dir this process holds."""
-    asynchronous = config.dist.strategy in ASYNCHRONOUS
+    # Read before the model dir is made: a corpus that cannot be read leaves nothing on disk.
     corpus = load_corpus(config.data, seed=config.train.seed)
+    with checkpoints.open_model_dir(config, plugin.is_chief) as model_dir:
+        return _train(config, plugin, model_dir, corpus)
+
+
+def _train(config: Config, plugin, model_dir: str, corpus: LoadedCorpus) -> dict[str, Any]:
+    """The run itself, on ``corpus``, in a model dir this process holds."""
+    asynchronous = config.dist.strategy in ASYNCHRONOUS
     vocab = prepare_vocab(config, corpus, model_dir, plugin.is_chief)
     data = InputData(corpus.splits, vocab, config.data, seed=config.train.seed)
     log.info("corpus %s: %s sentences; vocabulary %d", corpus.name,
