@@ -301,7 +301,7 @@ def test_a_remote_contender_whose_segment_raised_fails_naming_it():
 
 
 def test_a_run_stopped_by_a_crash_exits_1_with_one_line(monkeypatch, capsys):
-    def crashed(spec):
+    def crashed(spec, **_):
         raise ContenderFailed("pipeline2", "RuntimeError: benchmark child process exited (1)")
 
     monkeypatch.setattr(measure, "run", crashed)
@@ -345,3 +345,73 @@ def test_a_contender_that_fails_to_build_fails_the_run(monkeypatch, capsys, tmp_
     assert report.failed_contenders(results) == {
         "mirrored1": "RuntimeError: injected crash", "tower2": "ValueError: child crash"}
     assert isinstance(results["distribution_tokens_per_sec"]["default"], float)
+
+
+def test_ring_allreduce_and_the_link_fit_invert_each_other():
+    from tfpar.tools.bench import scaling
+
+    assert scaling.allreduce_seconds(1, 1e9, 1e9, 1e-3) == 0.0
+    # 4 devices: 2 * 3/4 of 8 MB at 1 GB/s, plus 6 hops of 10 us.
+    assert scaling.allreduce_seconds(4, 8e6, 1e9, 1e-5) == pytest.approx(0.012 + 6e-5)
+    for n in (2, 3):
+        sizes = (4096.0, 18.6e6)
+        times = [scaling.allreduce_seconds(n, b, 2.5e9, 4e-4) for b in sizes]
+        bw, lat = scaling.fit_link(sizes, times, n)
+        assert bw == pytest.approx(2.5e9) and lat == pytest.approx(4e-4)
+
+
+def test_scaling_tables_strong_and_weak():
+    from tfpar.tools.bench import scaling
+
+    work = scaling.Workload(flops=1e10, tokens=700, gradient_bytes=1.8e7, layers=2, bptt=35)
+    dev = scaling.Device("d", peak_flops=1e13, efficiency=0.5, link_bandwidth=1e10,
+                         link_latency=1e-5, launch_latency=1e-5, kernels_per_time_step=2)
+    assert scaling.serial_seconds(work, dev) == pytest.approx(1e-5 * 2 * 2 * 2 * 35)
+    strong = scaling.scaling_table(work, dev, (1, 2, 4), host_seconds=1e-3)
+    weak = scaling.scaling_table(work, dev, (1, 2, 4), host_seconds=1e-3, weak=True)
+    assert strong[0]["efficiency"] == weak[0]["efficiency"] == 1.0
+    one = strong[0]["step_ms"] / 1e3
+    assert one == pytest.approx(1e10 / 5e12 + 2.8e-3 + 1e-3)
+    t2 = 1e10 / 2 / 5e12 + 2.8e-3 + 1e-3 + scaling.communication_seconds(2, 1.8e7, 1e10, 1e-5)
+    assert strong[1]["step_ms"] / 1e3 == pytest.approx(t2)
+    assert strong[1]["speedup"] == pytest.approx(one / t2)
+    # Weak scaling keeps each device's work: only the communication is added.
+    assert weak[2]["compute_ms"] == strong[0]["compute_ms"]
+    assert weak[2]["tokens_per_sec"] == pytest.approx(4 * 700 / (weak[2]["step_ms"] / 1e3))
+    assert all(a["efficiency"] >= b["efficiency"] for a, b in zip(weak, weak[1:]))
+
+
+def test_parameter_count_is_the_models(tmp_path):
+    from tfpar.config import ModelConfig
+    from tfpar.model.lm import build_model
+    from tfpar.tools.bench import roofline
+
+    model = build_model(ModelConfig(layers=2, embed_dim=12, hidden_dim=8), 50)
+    assert roofline.parameter_count(layers=2, embed_dim=12, hidden_dim=8, vocab_size=50) == \
+        sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+
+
+def test_loopback_workers_flag_errors_name_the_value():
+    from tfpar.tools.bench.cli import loopback_counts
+
+    assert loopback_counts("") == () and loopback_counts("2,3") == (2, 3)
+    for bad in ("1", "two", "2,x"):
+        with pytest.raises(ConfigError, match=f"--loopback-workers '{bad}'"):
+            loopback_counts(bad)
+
+
+def test_two_loopback_workers_time_step_compute_and_allreduce():
+    """Two multi_worker processes on loopback train the tiny model and report the
+    phases the scaling model is checked with."""
+    from tfpar.tools.bench import roofline
+    from tfpar.tools.bench.workers import measure_loopback
+
+    spec = tiny_spec()
+    got = measure_loopback(spec, 2, rounds=1, steps=3)
+    assert got["workers"] == 2 and got["batch_size"] == spec.batch_size
+    for key in ("step", "compute", "allreduce", "small"):
+        assert got[key] > 0, key
+    setup = load_setup(spec)
+    params = roofline.parameter_count(layers=spec.layers, embed_dim=spec.embed_dim,
+                                      hidden_dim=spec.hidden_dim, vocab_size=len(setup.vocab))
+    assert got["gradient_bytes"] == 4 * params

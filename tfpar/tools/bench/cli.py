@@ -51,6 +51,24 @@ def spec_from_args(a: argparse.Namespace) -> BenchSpec:
     return quick_spec(**overrides) if a.quick else BenchSpec(**overrides)
 
 
+def loopback_counts(text: str) -> tuple[int, ...]:
+    """``--loopback-workers 2,3`` -> (2, 3).
+
+    Raises:
+      ConfigError: not comma-separated integers >= 2.
+    """
+    from tfpar.errors import ConfigError
+
+    try:
+        counts = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        counts = ()
+    if text.strip() and (not counts or min(counts) < 2):
+        raise ConfigError(f"--loopback-workers {text!r} must be comma-separated worker counts "
+                          "of at least 2, e.g. 2,3")
+    return counts
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``scripts/benchmark.py``: exit 0; 1 when a contender failed (``error: contender
     <name> failed: ...`` on stderr, one line each) or, under ``--check``, a target is
@@ -78,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         devices.configure_cpu_devices(1)  # the 2-device contenders run in a child process
         try:
-            results = run(spec)
+            results = run(spec, loopback=loopback_counts(args.loopback_workers))
         except ContenderFailed as e:  # nothing to report: the run stopped there
             print(f"error: {e}", file=sys.stderr)
             return 1

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -220,7 +220,59 @@ def padding(setup: Setup) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------- the run
-def run(spec: BenchSpec) -> dict[str, Any]:
+def scaling_figures(spec: BenchSpec, results: dict[str, Any], loopback: Sequence[int] = ()
+                    ) -> dict[str, Any]:
+    """The scaling model's tables for 1/2/4/8 GPUs and workers, and its check against
+    ``loopback`` multi_worker processes on this host (:mod:`tfpar.tools.bench.scaling`).
+
+    The loopback job trains a global batch rounded up to a multiple of every count (so
+    each worker gets a whole share)."""
+    from tfpar.tools.bench import scaling
+
+    roof = results["roofline"]
+    tokens = spec.batch_size * spec.bptt
+    params = roofline.parameter_count(layers=spec.layers, embed_dim=spec.embed_dim,
+                                      hidden_dim=spec.hidden_dim,
+                                      vocab_size=results["vocab_size"])
+    work = scaling.Workload(flops=roof["flops_per_token"] * tokens, tokens=tokens,
+                            gradient_bytes=4.0 * params, layers=spec.layers, bptt=spec.bptt)
+    host = results.get("host_overhead_ms_per_step", 0.0) / 1e3
+    counts = (1, 2, 4, 8)
+    out: dict[str, Any] = {
+        "gradient_bytes": work.gradient_bytes, "host_seconds": host, "tables": {
+            f"{device.name}, {mode}": scaling.scaling_table(work, device, counts,
+                                                            host_seconds=host,
+                                                            weak=mode == "weak")
+            for device in (scaling.H100_NVLINK, scaling.H200_IB, scaling.H100_ETHERNET)
+            for mode in ("strong", "weak")},
+    }
+    if not loopback:
+        return out
+    from tfpar.tools.bench.workers import measure_loopback
+
+    unit = int(np.lcm.reduce(list(loopback)))
+    batch = -(-spec.batch_size // unit) * unit
+    # One process with every core, at that batch: what each of N processes sharing the
+    # cores computes in the same time (N shares of 1/N of the work each).
+    t_one = results["step_seconds"]["default"] * batch / spec.batch_size
+    checks = []
+    for n in loopback:
+        got = measure_loopback(dataclasses.replace(spec, batch_size=batch), n)
+        bw, lat = scaling.fit_link((got["small_bytes"], got["gradient_bytes"]),
+                                   (got["small"], got["allreduce"]), n)
+        comm = scaling.communication_seconds(n, got["gradient_bytes"], bw, lat)
+        from_phases = got["compute"] + comm
+        from_model = t_one + comm
+        checks.append({**got, "link_bandwidth": bw, "link_latency": lat,
+                       "predicted_from_phases": from_phases,
+                       "predicted_from_one_process": from_model,
+                       "error_from_phases": from_phases / got["step"] - 1.0,
+                       "error_from_one_process": from_model / got["step"] - 1.0})
+    out["loopback"] = checks
+    return out
+
+
+def run(spec: BenchSpec, *, loopback: Sequence[int] = ()) -> dict[str, Any]:
     """Every measurement; returns the results dict that goes to ``--json``.
 
     A tfpar contender that fails to build or warm up is recorded in
@@ -250,10 +302,18 @@ def run(spec: BenchSpec) -> dict[str, Any]:
         raise ContenderFailed("default", distribution["default"].removeprefix("failed: "))
     server = ContenderServer(spec, TWO_DEVICE)
     try:
-        return _measure(spec, setup, results, keras_contender, tfpar, distribution, server,
-                        started, load_before)
+        results = _measure(spec, setup, results, keras_contender, tfpar, distribution,
+                           server, started, load_before)
     finally:
         server.close()
+    results["scaling"] = scaling_figures(spec, results, loopback)
+    if loopback:
+        errors = [abs(c["error_from_one_process"]) for c in results["scaling"]["loopback"]]
+        results["scaling_model_max_error"] = max(errors)
+        results["targets"] = {name: {"value": value, "target": f"{op} {threshold}", "pass": ok}
+                              for name, value, op, threshold, ok in check_targets(results)}
+    results["seconds"] = time.time() - started
+    return results
 
 
 def _measure(spec, setup, results, keras_contender, tfpar, distribution, server, started,

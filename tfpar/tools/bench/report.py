@@ -83,6 +83,7 @@ def format_report(results: dict[str, Any]) -> str:
             f"{ms['1']:.2f} ms with 1, {ms['10']:.2f} ms with 10): host overhead "
             f"{results['host_overhead_ms_per_step']:.2f} ms per step; a 5 ms step would run "
             f"{results['spe10_gain_at_5ms_step']:.2f}x faster with 10")
+    lines += scaling_lines(results.get("scaling"))
     la = (results["load_average_before"], results["load_average_after"])
     lines.append(f"load average {la[0]:.2f} -> {la[1]:.2f}"
                  + ("  (busy host: timings are noisy)" if max(la) > 1.5 else ""))
@@ -90,6 +91,29 @@ def format_report(results: dict[str, Any]) -> str:
         lines.append(f"{'PASS' if t['pass'] else 'FAIL'} {name} = "
                      f"{num(t['value'], '{:.4f}')} (target {t['target']})")
     return "\n".join(lines)
+
+
+def scaling_lines(scaling: dict[str, Any] | None) -> list[str]:
+    """The scaling model's tables and its loopback check, as printed lines."""
+    if not scaling:
+        return []
+    lines = [f"scaling model: {scaling['gradient_bytes'] / 1e6:.1f} MB of gradients "
+             f"all-reduced per step, host overhead {scaling['host_seconds'] * 1e3:.2f} ms "
+             "per step (measured here), no compute/communication overlap"]
+    for title, rows in scaling["tables"].items():
+        lines.append(f"  {title}: " + "; ".join(
+            f"{r['n']}: {r['step_ms']:.2f} ms {r['tokens_per_sec']:,.0f} tok/s "
+            f"eff {r['efficiency']:.2f}" for r in rows))
+    for c in scaling.get("loopback", []):
+        lines.append(
+            f"  loopback {c['workers']} workers (batch {c['batch_size']}): step "
+            f"{c['step'] * 1e3:.1f} ms measured = compute {c['compute'] * 1e3:.1f} + all-reduce "
+            f"{c['allreduce'] * 1e3:.1f} ms of {c['gradient_bytes'] / 1e6:.1f} MB (link "
+            f"{c['link_bandwidth'] / 1e9:.2f} GB/s, {c['link_latency'] * 1e6:.0f} us); "
+            f"predicted {c['predicted_from_one_process'] * 1e3:.1f} ms from the one-process step "
+            f"({c['error_from_one_process']:+.1%}), {c['predicted_from_phases'] * 1e3:.1f} ms "
+            f"from the phases ({c['error_from_phases']:+.1%})")
+    return lines
 
 
 def write_json(path: str, results: dict[str, Any]) -> None:

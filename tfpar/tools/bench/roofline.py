@@ -75,6 +75,14 @@ def step_matmuls(*, layers: int, embed_dim: int, hidden_dim: int, vocab_size: in
     return out
 
 
+def parameter_count(*, layers: int, embed_dim: int, hidden_dim: int, vocab_size: int) -> int:
+    """Trainable parameters of the (untied) LSTM LM: embedding, LSTM kernels and biases,
+    softmax kernel and bias: each is one float32 gradient the step all-reduces."""
+    lstm = sum(4 * hidden_dim * ((embed_dim if i == 0 else hidden_dim) + hidden_dim + 1)
+               for i in range(layers))
+    return vocab_size * embed_dim + lstm + hidden_dim * vocab_size + vocab_size
+
+
 def step_flops(matmuls: Sequence[Matmul]) -> float:
     return sum(m.flops for m in matmuls)
 

@@ -7,7 +7,8 @@ and every device applies the same update. The model predicts one step's time::
     t(N) = t_compute(N) + (1 - overlap) * t_allreduce(N) + t_host
 
     t_compute(N)   = F / N / R  +  t_serial
-    t_allreduce(N) = 2 (N - 1) / N * G / bw  +  2 (N - 1) * latency     (0 for N = 1)
+    t_allreduce(N) = ring(G) + S * ring(4 bytes)                          (0 for N = 1)
+    ring(b)        = 2 (N - 1) / N * b / bw  +  2 (N - 1) * latency
 
 * ``F``: the step's FLOPs at the global batch (:mod:`tfpar.tools.bench.roofline`);
   ``R``: the FLOP/s a device sustains on them (``peak * efficiency``).
@@ -16,6 +17,9 @@ and every device applies the same update. The model predicts one step's time::
   costs at least a kernel launch (``launch_latency * kernels_per_time_step * 2 L T``).
 * ``G``: the gradient bytes all-reduced per step: every trainable variable, float32 and
   dense (tfpar densifies the embedding's sparse gradient before the all-reduce).
+* ``S``: the scalar collectives of a step, latency-bound: tfpar's synchronous step sums
+  the real-token count before the gradients (every replica divides by it) and the loss
+  and token sums after them, :data:`SMALL_COLLECTIVES`.
 * ``overlap``: the share of the all-reduce hidden behind the backward pass. tfpar's
   synchronous strategies all-reduce after the whole backward pass (Keras' optimizer
   reduces in ``apply``), so it is 0 here; frameworks that bucket gradients during the
@@ -39,6 +43,9 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Sequence
+
+
+SMALL_COLLECTIVES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +100,14 @@ def allreduce_seconds(n: int, nbytes: float, bandwidth: float, latency: float) -
     return 2.0 * (n - 1) / n * nbytes / bandwidth + 2.0 * (n - 1) * latency
 
 
+def communication_seconds(n: int, gradient_bytes: float, bandwidth: float,
+                          latency: float) -> float:
+    """A step's collectives: the gradients' all-reduce and :data:`SMALL_COLLECTIVES`
+    scalar ones."""
+    return (allreduce_seconds(n, gradient_bytes, bandwidth, latency)
+            + SMALL_COLLECTIVES * allreduce_seconds(n, 4.0, bandwidth, latency))
+
+
 def fit_link(sizes: Sequence[float], seconds: Sequence[float], n: int) -> tuple[float, float]:
     """``(bandwidth, latency)`` of the ring model through two measured all-reduces
     (``sizes`` bytes took ``seconds``) over ``n`` devices: a straight line in bytes."""
@@ -120,8 +135,8 @@ def step_seconds(work: Workload, device: Device, n: int, *, host_seconds: float,
     if compute_seconds is None:
         share = work.flops if weak else work.flops / n
         compute_seconds = share / device.flops + serial_seconds(work, device)
-    comm = allreduce_seconds(n, work.gradient_bytes, device.link_bandwidth,
-                             device.link_latency)
+    comm = communication_seconds(n, work.gradient_bytes, device.link_bandwidth,
+                                 device.link_latency)
     step = compute_seconds + (1.0 - overlap) * comm + host_seconds
     return {"compute": compute_seconds, "allreduce": comm, "host": host_seconds, "step": step}
 
