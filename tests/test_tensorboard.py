@@ -137,3 +137,22 @@ def test_tensorboard_serves_scalars_histograms_text_graph_and_a_profile(tiny_arg
     with open(traces[0], "rb") as f:
         trace = f.read()
     assert b"Iterator::" in trace  # the input pipeline's events are in the profile
+
+
+def test_steps_per_execution_writes_the_loop_graph_and_profiles_its_calls(tiny_args, tmp_path):
+    """Sentence mode with --steps-per-execution 3 never runs the one-step function: the
+    N-step loop's graph is written, and --profile-steps profiles the calls holding 4..5."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    assert train_main(tiny_args + ["--steps-per-execution", "3", "--profile-steps", "4,5"]) == 0
+    run_dir = str(tmp_path / "run")
+    acc = event_accumulator.EventAccumulator(os.path.join(run_dir, "train"))
+    acc.Reload()
+    assert "train_steps" in acc.Tags()["tensors"]  # the N-step loop's graph (trace_export)
+    assert "train_step" not in acc.Tags()["tensors"]  # the one-step function never ran
+    (event,) = acc.Tensors("train_steps")
+    assert acc.SummaryMetadata("train_steps").plugin_data.plugin_name == \
+        "graph_run_metadata_graph"
+    assert b"While" in event.tensor_proto.string_val[0]  # the loop over the iterator
+    traces = glob.glob(os.path.join(run_dir, "train", "plugins", "profile", "*", "*.xplane.pb"))
+    assert len(traces) == 1

@@ -126,9 +126,10 @@ def _train(config: Config, plugin, model_dir: str, corpus: LoadedCorpus) -> dict
                                    clip_norm=config.train.clip_norm),
             lambda: state.step + 1, config.run.profile_steps)
         loop_class = Loop
-    train_steps = plugin.make_train_steps(state.model, state.optimizer,
-                                          clip_norm=config.train.clip_norm) \
-        if config.train.steps_per_execution > 1 else None
+    train_steps = writer.instrument_calls(  # the same, for --steps-per-execution N > 1
+        plugin.make_train_steps(state.model, state.optimizer, clip_norm=config.train.clip_norm)
+        if config.train.steps_per_execution > 1 else None,
+        lambda: state.step + 1, config.run.profile_steps)
     progress = loop_class(config, plugin, data, state, ckpt, writer, train_step,
                           eval_step, train_steps).run()
 

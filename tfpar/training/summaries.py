@@ -5,8 +5,10 @@ Two event folders (TensorBoard "runs") under the model dir::
     train/  per step:   loss, perplexity, tokens_per_sec, learning_rate, grad_norm
             per epoch:  weights/<variable> histograms, gradient_norms histogram,
                         gradient_norm/<layer> scalars, "samples" text
-            once:       "config" text, the train-step graph ("train_step")
-            --profile-steps A,B: a profiler trace in train/plugins/profile/
+            once:       "config" text, the train-step graph ("train_step"), and with
+                        --steps-per-execution N > 1 the N-step loop's ("train_steps")
+            --profile-steps A,B: a profiler trace in train/plugins/profile/ (with
+                        --steps-per-execution, of the whole calls that hold A..B)
     eval/   per epoch:  perplexity (valid), epoch; at the end: final_test_perplexity
 
 Processes that are not the chief write nothing (and profile nothing).
@@ -46,6 +48,7 @@ class Writer:
         self._writers = {}
         self._inspector: EpochInspector | None = None
         self._hooks: StepHooks | None = None
+        self._call_hooks: CallHooks | None = None
         if is_chief:
             for name in RUNS:
                 self._writers[name] = tf.summary.create_file_writer(os.path.join(model_dir, name))
@@ -131,9 +134,24 @@ class Writer:
         self._hooks = StepHooks(self, train_step, next_step, tuple(profile_steps))
         return self._hooks
 
-    def close(self) -> None:
+    def instrument_calls(self, train_steps, next_step: Callable[[], int],
+                         profile_steps: Sequence[int] = ()):
+        """:meth:`instrument` for the multi-step function (``--steps-per-execution``):
+        its graph (``train_steps``) is written on its first call, and the profiler runs
+        over every call holding a step of ``profile_steps`` (whole calls, so a superset
+        of A..B). Shares the profiler with the one-step function's hooks."""
+        if not self.active or train_steps is None:
+            return train_steps
+        hooks = CallHooks(self, train_steps, next_step, tuple(profile_steps))
         if self._hooks is not None:
-            self._hooks.stop_profiler()
+            hooks.share_profiler(self._hooks)
+        self._call_hooks = hooks
+        return hooks
+
+    def close(self) -> None:
+        for hooks in (self._hooks, self._call_hooks):
+            if hooks is not None:
+                hooks.stop_profiler()
         for writer in self._writers.values():
             writer.flush()
             writer.close()
@@ -151,15 +169,20 @@ class StepHooks:
     profile plugin finds it.
     """
 
+    graph_name = "train_step"
+
     def __init__(self, writer: Writer, step_fn, next_step: Callable[[], int],
                  profile_steps: tuple[int, ...]):
         self.writer, self.step_fn, self.next_step = writer, step_fn, next_step
         self.profile = profile_steps
         self.function = getattr(step_fn, "function", None)
         self._graph_written = False
-        self._profiling = False
-        self._profiled = False
+        self._profiler = _ProfilerState()
         self.logdir = os.path.join(writer.model_dir, "train")
+
+    def share_profiler(self, other: "StepHooks") -> None:
+        """One profiler session for both hooks (TF runs one per process)."""
+        self._profiler = other._profiler
 
     def __call__(self, *args, **kwargs):
         step = self.next_step()
@@ -184,26 +207,57 @@ class StepHooks:
             tf.summary.trace_off()
             raise
         with self.writer.file_writer("train").as_default(step=step):
-            tf.summary.trace_export("train_step", step=step)
+            tf.summary.trace_export(self.graph_name, step=step)
         self._graph_written = True
         return out
 
     def start_profiler(self) -> None:
-        if self._profiling or self._profiled:
+        p = self._profiler
+        if p.running or p.done:
             return
         try:
             tf.profiler.experimental.start(self.logdir)
         except tf.errors.AlreadyExistsError:
             log.warning("another profiler is running in this process; --profile-steps skipped")
-            self._profiled = True
+            p.done = True
             return
-        self._profiling = True
+        p.running = True
         log.info("profiling steps %d-%d into %s", self.profile[0], self.profile[1], self.logdir)
 
     def stop_profiler(self) -> None:
-        if self._profiling:
+        p = self._profiler
+        if p.running:
             tf.profiler.experimental.stop()
-            self._profiling, self._profiled = False, True
+            p.running, p.done = False, True
+
+
+class _ProfilerState:
+    """Whether the ``--profile-steps`` session is running, or has run."""
+
+    def __init__(self):
+        self.running = False
+        self.done = False
+
+
+class CallHooks(StepHooks):
+    """:class:`StepHooks` for ``steps(iterator, state, n)``, a call that runs steps
+    ``next_step()`` .. ``next_step() + n - 1``: its graph is the multi-step loop's
+    (``train_steps``), and the profiler covers every call with a step in A..B."""
+
+    graph_name = "train_steps"
+
+    def __call__(self, iterator, state, n: int):
+        first = self.next_step()
+        last = first + n - 1
+        if self.profile and first <= self.profile[1] and last >= self.profile[0]:
+            self.start_profiler()
+        if self._graph_written:
+            out = self.step_fn(iterator, state, n)
+        else:
+            out = self._traced(first, iterator, state, n)
+        if self.profile and last >= self.profile[1]:
+            self.stop_profiler()
+        return out
 
 
 class EpochInspector:
