@@ -194,12 +194,6 @@ def _matmul(x, w, dtype=None, *, transpose_b=False):
     """[..., K] @ [K, N] (or [N, K] with ``transpose_b``), optionally computed in ``dtype``."""
     w = tf.convert_to_tensor(w)
     out_dtype = x.dtype
-    import os
-    if dtype and os.environ.get("TFPAR_EXP_FWD32"):
-        flat = tf.reshape(x, [-1, tf.shape(x)[-1]])
-        y = _fp32_forward_bf16_backward(flat, w, transpose_b)
-        shape = tf.concat([tf.shape(x)[:-1], tf.shape(y)[-1:]], axis=0)
-        return tf.reshape(y, shape)
     if dtype:
         x, w = tf.cast(x, dtype), tf.cast(w, dtype)
     flat = tf.reshape(x, [-1, tf.shape(x)[-1]])
@@ -242,18 +236,3 @@ def detached_copy(config: ModelConfig, vocab_size: int, *, seed: int = 0,
         random.setstate(state)
     return model
 
-
-def _fp32_forward_bf16_backward(x, w, transpose_b):
-    @tf.custom_gradient
-    def mm(x, w):
-        y = tf.matmul(x, w, transpose_b=transpose_b)
-
-        def grad(dy):
-            b16 = tf.bfloat16
-            dyb, xb, wb = tf.cast(dy, b16), tf.cast(x, b16), tf.cast(w, b16)
-            dx = tf.matmul(dyb, wb, transpose_b=not transpose_b)
-            dw = (tf.matmul(dyb, xb, transpose_a=True) if transpose_b
-                  else tf.matmul(xb, dyb, transpose_a=True))
-            return tf.cast(dx, tf.float32), tf.cast(dw, tf.float32)
-        return y, grad
-    return mm(x, w)
