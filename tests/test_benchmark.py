@@ -201,8 +201,21 @@ def test_tiny_run_reports_the_roofline_bf16_and_steps_per_call(tiny_run):
     assert all(v > 0 for table in roof["matmul_gflops"].values() for v in table.values())
     assert results["bf16_vs_fp32"] > 0 and len(results["bf16_vs_fp32_per_round"]) == 1
     assert results["spe10_vs_1"] > 0 and results["host_overhead_ms_per_step"] >= 0
-    assert set(results["spe_step_ms"]) == {"1", "10"}
+    assert set(results["spe_step_ms"]) == set(results["probe_step_ms"]) == {"1", "10"}
+    assert results["spe10_gain_at_5ms_step"] == pytest.approx(
+        measure.gain_at(0.005, results["host_overhead_ms_per_step"] / 1e3, 10))
+    # The step split: both precisions, each part measured and at its matmul limit; the
+    # parts and the rest add up to the measured default step.
+    for precision in ("fp32", "bf16"):
+        row = results["breakdown"][precision]
+        assert set(row) == {"softmax", "rnn", "rest", "step"}
+        assert row["softmax"]["ms"] > 0 and row["rnn"]["limit_ms"] > 0
+        assert sum(row[p]["ms"] for p in ("softmax", "rnn", "rest")) == pytest.approx(
+            row["step"]["ms"])
+    assert results["breakdown"]["fp32"]["step"]["ms"] == pytest.approx(
+        1e3 * 80 / results["side_by_side_tokens_per_sec"]["default"])
     assert "roofline:" in printed and "steps per call:" in printed and "bf16 vs fp32" in printed
+    assert "step breakdown, fp32" in printed and "scaling model:" in printed
 
 
 def test_host_overhead_is_what_n_steps_per_call_save_per_step():

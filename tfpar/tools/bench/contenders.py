@@ -173,17 +173,24 @@ class KerasContender(Contender):
 
 
 # ----------------------------------------------------------------------------- builders
+# The host-overhead probe's model: the step's call path (plug-in, iterator, tf.function,
+# the loss read back) around almost no compute.
+PROBE_MODEL = {"layers": 1, "embed_dim": 16, "hidden_dim": 16}
+
+
 def build_tfpar(setup: Setup, name: str, dist, *, precision: str | None = None,
-                steps_per_execution: int = 1) -> tuple[Contender, Any]:
+                steps_per_execution: int = 1, probe: bool = False) -> tuple[Contender, Any]:
     """A tfpar contender under the plug-in ``dist`` names (clip 5, tfpar's default), and
     the plug-in; ``precision`` overrides the spec's, ``steps_per_execution > 1`` makes a
-    :class:`MultiStepContender`."""
+    :class:`MultiStepContender`, ``probe`` trains :data:`PROBE_MODEL` instead."""
     from tfpar.parallel import build_strategy
     from tfpar.training.state import build_train_state
 
     spec = setup.spec
     plugin = build_strategy(dist)
-    state = build_train_state(plugin.scope(), model_config(spec, precision), len(setup.vocab),
+    model_spec = dataclasses.replace(spec, **PROBE_MODEL) if probe else spec
+    state = build_train_state(plugin.scope(), model_config(model_spec, precision),
+                              len(setup.vocab),
                               seed=spec.seed,
                               make_optimizer=lambda epoch: _optimizer(spec.optimizer))
     train_step = plugin.make_train_step(state.model, state.optimizer, clip_norm=5.0)

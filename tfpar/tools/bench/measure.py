@@ -157,20 +157,37 @@ def gain_at(step_seconds: float, overhead: float, n: int) -> float:
     return step_seconds / (step_seconds - overhead * (1.0 - 1.0 / n))
 
 
-def steps_per_execution(one: Contender, many: Contender, spec: BenchSpec) -> dict[str, Any]:
+def steps_per_execution(one: Contender, many: Contender, spec: BenchSpec, setup: Setup
+                        ) -> dict[str, Any]:
     """``--steps-per-execution SPE`` against 1, on the default strategy: the ratio of
-    tokens/s in back-to-back segments, the step times, the host overhead per step they
-    imply, and the gain that overhead would give a 5 ms step."""
+    tokens/s in back-to-back segments and the step times; and the host overhead per step,
+    measured where compute does not hide it: the same call path on a tiny model
+    (:data:`~tfpar.tools.bench.contenders.PROBE_MODEL`), whose step times with 1 and SPE
+    per call differ by that overhead; from it, the gain expected at this step and at a
+    5 ms one."""
+    from tfpar.config import DistConfig
+    from tfpar.tools.bench.contenders import build_tfpar
+
     steps = max(SPE, spec.steps // SPE * SPE)  # whole calls
     pairs = paired_segments(many, one, spec.rounds * 2, steps)
     ratios = [(m.tokens / m.seconds) / (o.tokens / o.seconds) for m, o in pairs]
     t_many = float(np.median([m.seconds / steps for m, _ in pairs]))
     t_one = float(np.median([o.seconds / steps for _, o in pairs]))
-    overhead = host_overhead(t_one, t_many, SPE)
+    with failing_as("overhead_probe"):
+        probes = [build_tfpar(setup, f"probe_spe{n}", DistConfig(strategy="default"),
+                              steps_per_execution=n, probe=True)[0] for n in (1, SPE)]
+        for p in probes:
+            p.warm_up(spec.warmup)
+    probe_pairs = paired_segments(probes[1], probes[0], spec.rounds * 4, 5 * SPE)
+    p_many = float(np.median([m.seconds / (5 * SPE) for m, _ in probe_pairs]))
+    p_one = float(np.median([o.seconds / (5 * SPE) for _, o in probe_pairs]))
+    overhead = host_overhead(p_one, p_many, SPE)
     return {f"spe{SPE}_vs_1": float(np.median(ratios)),
             f"spe{SPE}_vs_1_per_round": ratios,
             "spe_step_ms": {"1": t_one * 1e3, str(SPE): t_many * 1e3},
+            "probe_step_ms": {"1": p_one * 1e3, str(SPE): p_many * 1e3},
             "host_overhead_ms_per_step": overhead * 1e3,
+            f"spe{SPE}_expected_gain": gain_at(t_one, min(overhead, t_one / 2), SPE),
             f"spe{SPE}_gain_at_5ms_step": gain_at(0.005, overhead, SPE)}
 
 
@@ -220,6 +237,22 @@ def padding(setup: Setup) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------- the run
+def step_breakdown(spec: BenchSpec, setup: Setup, results: dict[str, Any], other: str
+                   ) -> dict[str, Any]:
+    """The default step split into its softmax part, its RNN part and the rest, in fp32
+    and bf16, each against its matmul limit (:mod:`tfpar.tools.bench.breakdown`)."""
+    from tfpar.tools.bench import breakdown
+
+    roof, rate = results["roofline"], results["side_by_side_tokens_per_sec"]
+    rates = {dt: {k: v * 1e9 for k, v in table.items()}
+             for dt, table in roof["matmul_gflops"].items()}
+    tokens = spec.batch_size * spec.bptt
+    step_ms = {spec.precision: tokens / rate["default"] * 1e3}
+    if f"default_{other}" in rate:
+        step_ms[other] = tokens / rate[f"default_{other}"] * 1e3
+    return breakdown.measure(spec, len(setup.vocab), rates, step_ms)
+
+
 def scaling_figures(spec: BenchSpec, results: dict[str, Any], loopback: Sequence[int] = ()
                     ) -> dict[str, Any]:
     """The scaling model's tables for 1/2/4/8 GPUs and workers, and its check against
@@ -347,7 +380,7 @@ def _measure(spec, setup, results, keras_contender, tfpar, distribution, server,
     other = "bf16" if spec.precision == "fp32" else "fp32"
     precision_pairs = (paired_segment_rates(default, tfpar[f"default_{other}"], spec)
                        if f"default_{other}" in tfpar else None)
-    spe = (steps_per_execution(default, tfpar[f"default_spe{SPE}"], spec)
+    spe = (steps_per_execution(default, tfpar[f"default_spe{SPE}"], spec, setup)
            if f"default_spe{SPE}" in tfpar else {})
     # Every contender side by side, for the distribution table.
     measured = interleave(contenders, spec)
@@ -410,6 +443,7 @@ def _measure(spec, setup, results, keras_contender, tfpar, distribution, server,
     precision_of.update({"keras_baseline": "fp32", f"default_{other}": other})
     results["roofline"] = roofline_figures(spec, len(setup.vocab), rate, precision_of)
     results["default_fraction_of_limit"] = results["roofline"]["fraction_of_limit"]["default"]
+    results["breakdown"] = step_breakdown(spec, setup, results, other)
     results["mirrored2_vs_default"] = results["distribution_vs_default"].get("mirrored2")
     results["targets"] = {name: {"value": value, "target": f"{op} {threshold}", "pass": ok}
                           for name, value, op, threshold, ok in check_targets(results)}

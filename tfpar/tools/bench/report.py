@@ -72,17 +72,22 @@ def format_report(results: dict[str, Any]) -> str:
         lines.append("matmul GFLOP/s (fp32 / bf16): " + ", ".join(
             f"{k} {v:.0f}" + (f"/{gf['bfloat16'][k]:.0f}" if k in gf.get("bfloat16", {}) else "")
             for k, v in gf["float32"].items()))
+    for precision, row in (results.get("breakdown") or {}).items():
+        lines.append(f"step breakdown, {precision} (ms measured / at the matmul limit): " + ", ".join(
+            f"{part} {v['ms']:.1f}/{v['limit_ms']:.1f}" for part, v in row.items()))
     if "bf16_vs_fp32" in results:
         lines.append(f"bf16 vs fp32 (default strategy, paired segments): "
                      f"{results['bf16_vs_fp32']:.3f} (per round: "
                      + ", ".join(f"{x:.2f}" for x in results["bf16_vs_fp32_per_round"]) + ")")
     if "host_overhead_ms_per_step" in results:
-        ms = results["spe_step_ms"]
+        ms, probe = results["spe_step_ms"], results["probe_step_ms"]
         lines.append(
             f"steps per call: {results['spe10_vs_1']:.3f} x tokens/s with 10 (step "
-            f"{ms['1']:.2f} ms with 1, {ms['10']:.2f} ms with 10): host overhead "
-            f"{results['host_overhead_ms_per_step']:.2f} ms per step; a 5 ms step would run "
-            f"{results['spe10_gain_at_5ms_step']:.2f}x faster with 10")
+            f"{ms['1']:.2f} ms with 1, {ms['10']:.2f} ms with 10); host overhead "
+            f"{results['host_overhead_ms_per_step']:.2f} ms per step (tiny-model probe: "
+            f"{probe['1']:.2f} ms with 1, {probe['10']:.2f} ms with 10), so expected "
+            f"{results['spe10_expected_gain']:.3f}x here and "
+            f"{results['spe10_gain_at_5ms_step']:.2f}x for a 5 ms step")
     lines += scaling_lines(results.get("scaling"))
     la = (results["load_average_before"], results["load_average_after"])
     lines.append(f"load average {la[0]:.2f} -> {la[1]:.2f}"

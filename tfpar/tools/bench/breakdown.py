@@ -1,0 +1,113 @@
+"""Where a training step's time goes beyond its matmuls: the step split in two parts.
+
+The roofline (:mod:`tfpar.tools.bench.roofline`) says what the step's products alone
+would take; this times the step's two big parts on their own, with the model's own
+layers, forward and backward, in fp32 and bf16, at the benchmark's shapes:
+
+* ``softmax``: logits ``[B, T, V]`` from ``[B, T, H]`` (the model's softmax layer) and
+  the token-weighted cross-entropy (``tfpar.objective.losses``), gradients of the
+  hidden states and the softmax weights: three products plus the passes over the logits
+  (bias, log-softmax, its gradient, the bias gradient);
+* ``rnn``: the LSTM stack (``tfpar.model.layers``, XLA loops as in stream mode) from the
+  embeddings, gradients of the inputs and every kernel: the large products, the ``2 T L``
+  dependent recurrent ones, and the gates;
+
+and what is left of the measured step (embedding, gradient clipping, the optimizer, the
+input pipeline and the host) is ``rest``. Each part is also given at the limit (its
+products at this host's rate for each shape), so ``measured - limit`` is what it spends
+on anything but matmuls.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from tfpar.tools.bench import roofline
+from tfpar.tools.bench.spec import BenchSpec
+from tfpar.tools.bench.workload import model_config
+
+
+def _median_ms(fn, calls: int = 8, rounds: int = 3) -> float:
+    fn()
+    fn()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn()
+        np.asarray(out)  # the last call's result is in hand
+        times.append((time.perf_counter() - start) / calls * 1e3)
+    return float(np.median(times))
+
+
+def part_functions(spec: BenchSpec, vocab_size: int, precision: str):
+    """``{"softmax": fn, "rnn": fn}``: each runs its part forward and backward once
+    and returns a scalar."""
+    import tensorflow as tf
+
+    from tfpar.model.lm import build_model
+    from tfpar.objective import losses
+
+    model = build_model(model_config(spec, precision), vocab_size, seed=spec.seed)
+    b, t = spec.batch_size, spec.bptt
+    gen = tf.random.Generator.from_seed(spec.seed)
+    hidden = gen.normal([b, t, spec.hidden_dim])
+    embedded = gen.normal([b, t, spec.embed_dim])
+    targets = gen.uniform([b, t], 1, vocab_size, dtype=tf.int32)
+    softmax_vars = model.softmax.trainable_variables
+    rnn_vars = [v for rnn in model.rnns for v in rnn.trainable_variables]
+
+    @tf.function(input_signature=[tf.TensorSpec(hidden.shape), tf.TensorSpec(targets.shape,
+                                                                              tf.int32)])
+    def softmax(h, y):
+        with tf.GradientTape() as tape:
+            tape.watch(h)
+            nll, count = losses.nll_sum_and_count(model.softmax(h), y)
+            loss = nll / count
+        grads = tape.gradient(loss, [h] + softmax_vars)
+        return tf.add_n([tf.reduce_sum(g[:1]) for g in grads])
+
+    @tf.function(input_signature=[tf.TensorSpec(embedded.shape)])
+    def rnn(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            out = x
+            for layer in model.rnns:
+                out = layer(out)[0]
+            loss = tf.reduce_mean(out * out)
+        grads = tape.gradient(loss, [x] + rnn_vars)
+        return tf.add_n([tf.reduce_sum(g[:1]) for g in grads])
+
+    return {"softmax": lambda: softmax(hidden, targets), "rnn": lambda: rnn(embedded)}
+
+
+def measure(spec: BenchSpec, vocab_size: int, rates: dict[str, dict[str, float]],
+            step_ms: dict[str, float]) -> dict[str, Any]:
+    """``{precision: {part: {"ms", "limit_ms"}}}`` for fp32 and bf16; ``step_ms``: the
+    measured default step per precision (its ``rest`` is what the parts leave)."""
+    mms = roofline.step_matmuls(layers=spec.layers, embed_dim=spec.embed_dim,
+                                hidden_dim=spec.hidden_dim, vocab_size=vocab_size,
+                                batch_size=spec.batch_size, bptt=spec.bptt)
+    parts = {"softmax": [m for m in mms if m.name.startswith("softmax")],
+             "rnn": [m for m in mms if m.name.startswith("lstm")]}
+    fns = {p: part_functions(spec, vocab_size, p) for p in ("fp32", "bf16")}
+    out: dict[str, Any] = {}
+    timed = {(p, part): [] for p in fns for part in parts}
+    for _ in range(2):  # the two precisions alternate, against the host's drift
+        for precision, table in fns.items():
+            for part, fn in table.items():
+                timed[(precision, part)].append(_median_ms(fn))
+    for precision in fns:
+        row = {part: {"ms": float(np.median(timed[(precision, part)])),
+                      "limit_ms": roofline.limit_seconds(parts[part], rates, precision) * 1e3}
+               for part in parts}
+        if precision in step_ms:
+            row["rest"] = {"ms": step_ms[precision] - sum(v["ms"] for v in row.values()),
+                           "limit_ms": 0.0}
+            row["step"] = {"ms": step_ms[precision],
+                           "limit_ms": roofline.limit_seconds(mms, rates, precision) * 1e3}
+        out[precision] = row
+    return out
