@@ -77,3 +77,21 @@ def test_distributed_eval_equals_single_device_eval(strategy, replicas, mode):
     (ref_nll, ref_count), (nll, count) = results
     assert count == ref_count > 0
     assert nll == pytest.approx(ref_nll, rel=1e-6)
+
+
+def test_the_optimizer_applies_the_summed_gradients_without_summing_again():
+    """The synchronous step all-reduces the gradients once: on this Keras the optimizer's
+    own replica-context sum is switched off for the plug-in's optimizer (were it not, the
+    equivalence tests above would see every update multiplied by the replica count), and
+    the sum it is switched off with passes the gradients through unchanged."""
+    import keras
+    import tensorflow as tf
+
+    from tfpar.parallel import distribute
+
+    assert distribute.SUM_ONCE  # Keras 3's TF optimizer sums in _all_reduce_sum_gradients
+    optimizer = keras.optimizers.SGD(1.0)
+    assert distribute.summed_already(optimizer) is optimizer
+    pairs = [(tf.constant([1.0]), "v0"), (tf.constant([2.0]), "v1")]
+    assert optimizer._all_reduce_sum_gradients(iter(pairs)) == pairs
+    assert "_all_reduce_sum_gradients" not in vars(keras.optimizers.SGD(1.0))  # per instance
