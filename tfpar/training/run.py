@@ -92,10 +92,10 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     corpus = load_corpus(config.data, seed=config.train.seed)
     vocab = load_vocab(config, corpus)
     with checkpoints.open_model_dir(config, plugin.is_chief, vocab=vocab) as model_dir:
-        return _train(config, plugin, model_dir, corpus, vocab)
+        return _train(config, plugin, model_dir, corpus=corpus, vocab=vocab)
 
 
-def _train(config: Config, plugin, model_dir: str, corpus: LoadedCorpus,
+def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
            vocab: Vocab) -> dict[str, Any]:
     """The run itself, on ``corpus`` and ``vocab``, in a model dir this process holds."""
     asynchronous = config.dist.strategy in ASYNCHRONOUS
