@@ -4,12 +4,14 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from conftest import REPO, without_gpus
+from tfpar.data.vocab import Vocab
 from tfpar.tools.cli import train_main
 
 EXPECTED_KEYS = {"strategy", "replicas", "devices", "steps", "tokens_per_sec", "train_ppl",
@@ -112,6 +114,12 @@ def cli_error(argv, capsys):
      "error: split-fractions '0.9,0.1' must be three numbers train,valid,test"),
     (["--split-fractions", "0.9,a,0.1"],
      "error: --split-fractions '0.9,a,0.1' must be three comma-separated numbers"),
+    (["--vocab-file", "v.txt", "--vocab-size", "100"],
+     "error: vocab-size 100 does not apply to vocab-file 'v.txt', which is used whole; drop "
+     "--vocab-size (or --vocab-file to count the train split)"),
+    (["--vocab-file", "v.txt", "--min-count", "2"],
+     "error: min-count 2 does not apply to vocab-file 'v.txt', which is used whole; drop "
+     "--min-count (or --vocab-file to count the train split)"),
 ])
 def test_one_line_errors(extra, message, tiny_args, capsys, tmp_path):
     argv = tiny_args + extra
@@ -191,7 +199,7 @@ def test_help_documents_every_flag():
     for flag in ("--strategy", "--all-reduce", "--cpu-devices", "--data", "--mode", "--bptt",
                  "--tie-embeddings", "--clip-norm", "--model-dir", "--export-dir", "--no-export",
                  "--metrics-json", "--batch-size", "--intra-op-threads", "--tokenizer",
-                 "--split-fractions"):
+                 "--split-fractions", "--vocab-file"):
         assert flag in proc.stdout
 
 
@@ -258,3 +266,115 @@ def test_time_limit_stops_training_then_evaluates_and_checkpoints(tiny_args, tmp
     assert state.model_checkpoint_path.endswith(f"ckpt-{steps}")
     code, err = cli_error(tiny_args + ["--time-limit", "-1"], capsys)
     assert code == 2 and err.startswith("error: time-limit must be >= 0, got -1.0")
+
+
+def elsewhere(args, tmp_path, name):
+    """``args`` with the model dir, export dir and metrics file moved to ``tmp_path/name*``."""
+    return with_flag(with_flag(with_flag(args, "--model-dir", str(tmp_path / name)),
+                               "--export-dir", str(tmp_path / f"{name}-export")),
+                     "--metrics-json", str(tmp_path / f"{name}.json"))
+
+
+def test_a_previous_runs_vocab_file_gives_the_same_ids_and_metrics(tiny_args, tmp_path, capsys):
+    args = tiny_args + ["--no-export", "--seed", "3"]
+    assert train_main(args) == 0
+    built = json.loads((tmp_path / "metrics.json").read_text())
+    shared = tmp_path / "shared-vocab.txt"  # a copy: the first run's dir is not needed
+    shared.write_bytes((tmp_path / "run" / "vocab.txt").read_bytes())
+    capsys.readouterr()
+    assert train_main(elsewhere(args, tmp_path, "again") + ["--vocab-file", str(shared)]) == 0
+    assert "vocabulary: 43 entries read from " in capsys.readouterr().err
+    assert (tmp_path / "again" / "vocab.txt").read_bytes() == shared.read_bytes()
+    given = json.loads((tmp_path / "again.json").read_text())
+    for key in ("steps", "train_ppl", "valid_ppl", "test_ppl"):
+        assert given[key] == built[key], key
+    assert np.isfinite(built["unigram_valid_ppl"]) and given["unigram_valid_ppl"] is None
+    stored = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert stored["data"]["vocab_file"] == str(shared)
+
+
+def test_a_vocab_file_with_words_not_in_the_corpus_trains_exports_and_resumes(tiny_args,
+                                                                             tmp_path):
+    # The corpus has w0 .. w39: w20 .. w39 become <unk>, extra1/extra2 are never seen.
+    tokens = ["<pad>", "<unk>", "<eos>"] + [f"w{i}" for i in range(20)] + ["extra1", "extra2"]
+    file = tmp_path / "mine.txt"
+    file.write_text("\n".join(tokens) + "\n", encoding="utf-8")
+    args = with_flag(tiny_args + ["--vocab-file", str(file)], "--max-steps", "2")
+    assert train_main(args) == 0
+    vocab = Vocab.load(tmp_path / "run" / "vocab.txt")
+    assert vocab.tokens == tuple(tokens)
+    assert vocab.encode("w3 w25 extra2") == [6, 1, 24]
+    latest = tf.train.latest_checkpoint(str(tmp_path / "run" / "checkpoints"))
+    assert [len(tokens), 16] in [shape for _, shape in tf.train.list_variables(latest)]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert np.isfinite(metrics["test_ppl"]) and metrics["unigram_valid_ppl"] is None
+    assert (Path(metrics["export_path"]) / "assets" / "vocab.txt").read_text(
+        encoding="utf-8") == file.read_text(encoding="utf-8")
+    moved = tmp_path / "moved.txt"  # the same contents elsewhere resume the run
+    moved.write_bytes(file.read_bytes())
+    assert train_main(with_flag(with_flag(args, "--vocab-file", str(moved)), "--max-steps", "3")
+                      + ["--no-export"]) == 0
+    assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 3
+
+
+def test_resume_with_another_vocab_file_is_refused_and_rewrites_nothing(tiny_args, tmp_path,
+                                                                        capsys):
+    args = with_flag(tiny_args + ["--no-export"], "--max-steps", "1")
+    assert train_main(args) == 0
+    saved = (tmp_path / "run" / "vocab.txt").read_text(encoding="utf-8")
+    other = tmp_path / "other.txt"
+    other.write_text(saved.replace("\nw1\n", "\nw1x\n"), encoding="utf-8")
+    line = saved.split("\n").index("w1") + 1
+    before = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.is_file()}
+    capsys.readouterr()
+    code, err = cli_error(args + ["--vocab-file", str(other)], capsys)
+    assert code == 2
+    assert err == (f"error: cannot resume {tmp_path / 'run'}: vocabulary: the saved vocab.txt "
+                   f"(43 entries) and --vocab-file {other} (43 entries) differ at line {line}: "
+                   "'w1' against 'w1x'; use a new --model-dir or the original settings")
+    after = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir() if p.is_file()}
+    assert after == before  # config.json and vocab.txt untouched, no LOCK left
+
+
+BAD_VOCABS = [
+    (None, "does not exist; give the path of a UTF-8 text file with one token per line"),
+    (b"<pad>\n<unk>\n<eos>\na\0\n", "is binary, not text (NUL byte at offset 19)"),
+    (b"<pad>\n<unk>\n<eos>\ncaf\xe9\n", "is not UTF-8: byte 0xe9 at offset 21"),
+    (b"<unk>\n<pad>\n<eos>\nw1\n", "is not a tfpar vocabulary: line 1 holds '<unk>', not "
+                                   "'<pad>'; it must start with the lines <pad>, <unk>, <eos>"),
+    (b"<pad>\n<unk>\n<eos>\nw1\nw2\nw1\n", "token 'w1' is on line 4 and again on line 6; "
+                                          "every token must appear once"),
+    (b"<pad>\n<unk>\n<eos>\nw1\n\nw2\n", "line 5 is empty; every line must hold one token"),
+    (b"<pad>\n<unk>\n<eos>\n", "holds only <pad>, <unk>, <eos>; it needs at least one word"),
+]
+
+
+@pytest.mark.parametrize("content,message", BAD_VOCABS)
+def test_a_bad_vocab_file_is_one_line_and_writes_nothing(content, message, tiny_args, tmp_path,
+                                                         capsys):
+    file = tmp_path / "vocab-in.txt"
+    if content is not None:
+        file.write_bytes(content)
+    code, err = cli_error(tiny_args + ["--vocab-file", str(file)], capsys)
+    assert code == 2
+    assert err.startswith(f"error: vocabulary file {file}") and message in err, err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "export").exists()
+
+
+def test_an_unreadable_vocab_file_is_one_line(tiny_args, tmp_path, capsys, monkeypatch):
+    file = tmp_path / "vocab-in.txt"
+    file.write_bytes(b"<pad>\n<unk>\n<eos>\nw1\n")
+    file.chmod(0)
+    if os.access(file, os.R_OK):  # root reads anything, so fake the refusal
+        real = Path.read_bytes
+        monkeypatch.setattr(Path, "read_bytes", lambda self: _refuse(self) if self == file
+                            else real(self))
+    code, err = cli_error(tiny_args + ["--vocab-file", str(file)], capsys)
+    assert code == 2
+    assert err == (f"error: cannot read vocabulary file {file}: permission denied; make it "
+                   f"readable (e.g. chmod a+r {file})")
+    assert not (tmp_path / "run").exists()
+
+
+def _refuse(path):
+    raise PermissionError(13, "Permission denied", str(path))

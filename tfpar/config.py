@@ -95,6 +95,11 @@ class DataConfig:
     vocab_size: int = 0
     # Words seen fewer times than this in train become <unk>.
     min_count: int = 1
+    # A vocabulary file (one token per line, line number = id, starting <pad> <unk> <eos>,
+    # e.g. a previous run's vocab.txt) used whole instead of counting the train split
+    # (None: count it). vocab_size and min_count do not apply to it. A resume compares
+    # its contents, not its path, with the run's saved vocab.txt.
+    vocab_file: str | None = None
     # Longest example in sentence mode, in predicted tokens (words + <eos>).
     max_length: int = 80
     # What to do with a longer sentence: "split" it into max_length pieces (every token is
@@ -122,6 +127,14 @@ class DataConfig:
                 "<eos> and at least one word (>= 4), or be 0 for no limit"
             )
         _positive("min-count", self.min_count)
+        if self.vocab_file is not None:
+            for flag, value, default in (("vocab-size", self.vocab_size, 0),
+                                         ("min-count", self.min_count, 1)):
+                if value != default:
+                    raise ConfigError(
+                        f"{flag} {value} does not apply to vocab-file {self.vocab_file!r}, "
+                        f"which is used whole; drop --{flag} (or --vocab-file to count the "
+                        "train split)")
         if self.max_length < 2:
             raise ConfigError(f"max-length must be >= 2, got {self.max_length!r}")
         if not 0 < self.max_pad_fraction < 1:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Iterable
 
 from tfpar.config import SPLIT_FRACTIONS, check_split_fractions
+from tfpar.data.textfile import read_text
 from tfpar.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,8 @@ SPLITS = ("train", "valid", "test")
 # pattern whose train file exists decides the names of valid and test too, so a folder
 # never mixes, say, ptb.train.txt with valid.txt.
 SPLIT_PATTERNS = ("ptb.{}.txt", "wiki.{}.tokens", "{}.txt")
+# What a corpus file holds, for the advice of read_text's errors.
+SENTENCE_PER_LINE = "one sentence per line"
 
 TFDS_PREFIX = "tfds:"
 
@@ -169,43 +172,9 @@ def _find_split_files(folder: Path) -> dict[str, Path]:
         f"but {_listing(folder)}")
 
 
-def _read_bytes(file: Path, split: str) -> bytes:
-    """The file's bytes; ``split`` names it in errors ("train", …, or "corpus")."""
-    try:
-        return file.read_bytes()
-    except PermissionError:
-        raise DataError(
-            f"cannot read {split} file {file}: permission denied; make it readable "
-            f"(e.g. chmod a+r {file})") from None
-    except IsADirectoryError:
-        raise DataError(
-            f"{split} file {file} is a folder; it must be a UTF-8 text file with one "
-            "sentence per line") from None
-    except OSError as e:
-        raise DataError(f"cannot read {split} file {file}: {e.strerror or e}") from None
-
-
-def _decode(data: bytes, file: Path, split: str) -> str:
-    # A NUL byte is valid UTF-8 but never occurs in text, so it is the cheap sign of a
-    # binary file (an archive or a saved array) given by mistake.
-    nul = data.find(b"\0")
-    if nul >= 0:
-        raise DataError(
-            f"{split} file {file} is binary, not text (NUL byte at offset {nul}); it must be "
-            "UTF-8 text with one sentence per line")
-    try:
-        # utf-8-sig drops a byte-order mark that some editors write, which would otherwise
-        # stick to the first token.
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"{split} file {file} is not UTF-8: byte 0x{data[e.start]:02x} at offset {e.start} "
-            "cannot be decoded; re-encode the file as UTF-8 (e.g. iconv -t UTF-8)") from None
-
-
 def _read_split(file: Path, split: str) -> list[str]:
     """Reads one split file into sentences."""
-    text = _decode(_read_bytes(file, split), file, split)
+    text = read_text(file, split, holds=SENTENCE_PER_LINE)
     # Split on "\n" only (str.splitlines would also break at form feeds and U+2028), so a
     # sentence is exactly a line as `wc -l` counts it; strip() removes any "\r".
     sentences = _sentences(text.split("\n"))
@@ -295,7 +264,7 @@ def read_text_file(path: str | os.PathLike,
     """
     check_split_fractions(tuple(split_fractions))
     file = Path(path)
-    lines = _sentences(_decode(_read_bytes(file, "corpus"), file, "corpus").split("\n"))
+    lines = _sentences(read_text(file, "corpus", holds=SENTENCE_PER_LINE).split("\n"))
     b1, b2 = split_bounds(len(lines), split_fractions)
     counts = (b1, b2 - b1, len(lines) - b2)
     shown = ",".join(f"{f:g}" for f in split_fractions)

@@ -1,9 +1,21 @@
-"""The vocabulary: built from the train split, saved as text, looked up in TF ops.
+"""The vocabulary: built from the train split or read from a file, saved as text,
+looked up in TF ops.
 
-Ids 0, 1 and 2 are always ``<pad>``, ``<unk>`` and ``<eos>``; words follow in order of
-falling train frequency, ties broken by the word itself so the same corpus always gives
-the same ids. The file format is one token per line, line number = id. Tokens are what
-``tfpar.data.tokenize.split_tokens`` makes of a line; they never hold a line break.
+Ids 0, 1 and 2 are always ``<pad>``, ``<unk>`` and ``<eos>``; a built vocabulary's words
+follow in order of falling train frequency, ties broken by the word itself so the same
+corpus always gives the same ids. The file format is one token per line, line number =
+id (line 1 holds id 0)::
+
+    <pad>
+    <unk>
+    <eos>
+    the
+    ...
+
+Tokens are what ``tfpar.data.tokenize.split_tokens`` makes of a line; they never hold a
+line break. A file read back (a run's ``vocab.txt``, or ``--vocab-file``) is checked by
+:func:`parse_tokens`; it has no train counts, so :meth:`Vocab.unigram_perplexity` is
+unavailable for it.
 """
 
 from __future__ import annotations
@@ -11,11 +23,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 import tensorflow as tf
 
+from tfpar.data.textfile import read_text
 from tfpar.data.tokenize import join_tokens, split_tokens
 from tfpar.errors import DataError
 
@@ -23,6 +37,8 @@ PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
 SPECIALS = (PAD, UNK, EOS)
 PAD_ID, UNK_ID, EOS_ID = 0, 1, 2
 VOCAB_FILE = "vocab.txt"
+# What a vocabulary file holds, for the advice of its errors.
+TOKEN_PER_LINE = "one token per line (line number = id)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +46,8 @@ class Vocab:
     """An ordered token list; ``tokens[i]`` is the token with id ``i``."""
 
     tokens: tuple[str, ...]
-    # Train-split count of every token id (specials: <eos> counts one per sentence).
+    # Train-split count of every token id (specials: <eos> counts one per sentence);
+    # empty for a vocabulary read from a file, which holds no counts.
     counts: tuple[int, ...] = ()
     # The tokenizer that made the tokens (tfpar.data.tokenize): the pipeline, the
     # samples and the export split text with it.
@@ -39,10 +56,15 @@ class Vocab:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    @property
+    def has_counts(self) -> bool:
+        """Whether :attr:`counts` holds every token's train count (a built vocabulary)."""
+        return len(self.counts) == len(self.tokens)
+
     @classmethod
     def build(cls, lines: Iterable[str], *, tokenizer: str = "whitespace", max_size: int = 0,
               min_count: int = 1) -> "Vocab":
-        """Counts the tokens of ``lines`` and keeps the most frequent.
+        """Counts the tokens of ``lines`` and keeps the most frequent (at least one).
 
         Tokens are counted in TF ops by :func:`tfpar.data.tokenize.split_tokens`, the
         function training and serving split text with.
@@ -52,6 +74,10 @@ class Vocab:
           tokenizer: one of ``tfpar.data.tokenize.TOKENIZERS``.
           max_size: keep at most this many entries, the three specials included (0: all).
           min_count: drop words seen fewer times.
+
+        Raises:
+          DataError: no word is kept (a vocabulary holds at least one besides the
+            specials, as :func:`parse_tokens` requires of a file).
         """
         lines = list(lines)
         counter: collections.Counter[str] = collections.Counter()
@@ -67,6 +93,11 @@ class Vocab:
         )
         if max_size:
             words = words[: max_size - len(SPECIALS)]
+        if not words:
+            raise DataError(
+                f"the train split has no word seen at least {min_count} time(s) (min-count) "
+                f"besides {', '.join(SPECIALS)}, so the vocabulary would hold no word; lower "
+                "--min-count")
         kept = set(words)
         unk_count = unk_in_text + sum(c for w, c in counter.items() if w not in kept)
         counts = (0, unk_count, len(lines) + eos_in_text) + tuple(counter[w] for w in words)
@@ -83,14 +114,19 @@ class Vocab:
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, tokenizer: str = "whitespace") -> "Vocab":
-        """Reads a file written by :meth:`save`; the file does not name its tokenizer
-        (the run's config.json does), so the caller does."""
-        with open(path, encoding="utf-8") as f:
-            tokens = tuple(line.rstrip("\n") for line in f)
-        if tokens[: len(SPECIALS)] != SPECIALS:
-            raise DataError(f"{os.fspath(path)} is not a tfpar vocabulary: it must start with "
-                            f"{', '.join(SPECIALS)}")
-        return cls(tokens=tokens, tokenizer=tokenizer)
+        """Reads a vocabulary file: one written by :meth:`save` (a run's ``vocab.txt``)
+        or one given with ``--vocab-file``.
+
+        The file does not name its tokenizer (the run's config.json does), so the caller
+        does; nor does it hold train counts, so the result has none (``counts == ()``).
+
+        Raises:
+          DataError: the file does not exist, cannot be read, is binary or not UTF-8,
+            or is not a vocabulary (see :func:`parse_tokens`).
+        """
+        path = Path(path)
+        text = read_text(path, "vocabulary", holds=TOKEN_PER_LINE)
+        return cls(tokens=parse_tokens(text, path), tokenizer=tokenizer)
 
     def lookup_table(self) -> tf.lookup.StaticHashTable:
         """A word -> id table; unknown words map to ``<unk>``."""
@@ -118,9 +154,13 @@ class Vocab:
 
         The floor a model without context reaches. Every sentence predicts its words and
         one ``<eos>``; add-one smoothing keeps words unseen in train finite.
+
+        Raises:
+          DataError: the vocabulary has no train counts (it was read from a file; see
+            :attr:`has_counts`).
         """
         counts = np.asarray(self.counts, np.float64)
-        if counts.size != len(self.tokens):
+        if not self.has_counts:
             raise DataError("unigram perplexity needs a vocabulary built from train counts")
         probs = (counts + 1.0) / (counts.sum() + len(counts))
         probs[PAD_ID] = 0.0
@@ -132,6 +172,60 @@ class Vocab:
             total -= float(np.log(probs[ids]).sum()) + rows * float(np.log(probs[EOS_ID]))
             tokens += len(ids) + rows
         return float(np.exp(total / max(tokens, 1)))
+
+
+def parse_tokens(text: str, path: str | os.PathLike = "") -> tuple[str, ...]:
+    """The tokens of a vocabulary file's text, line ``i + 1`` holding id ``i``.
+
+    Lines end at ``"\n"`` only (as :meth:`Vocab.save` writes them); one final line
+    break is optional. Every line holds one token, none twice; the first three are
+    ``<pad>``, ``<unk>``, ``<eos>``, and at least one word follows them.
+
+    Raises:
+      DataError: naming ``path``, the line and what it holds.
+    """
+    name = f"vocabulary file {os.fspath(path)}"
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the line break that ends the last line
+    expected = ", ".join(SPECIALS)
+    if not lines:
+        raise DataError(f"{name} is empty; it must start with the lines {expected}, then "
+                        f"{TOKEN_PER_LINE}")
+    seen: dict[str, int] = {}
+    for number, token in enumerate(lines, start=1):
+        if "\r" in token:
+            raise DataError(f"{name}: line {number} ({token!r}) holds a carriage return; "
+                            "lines must end with \\n only (convert it, e.g. dos2unix)")
+        if number <= len(SPECIALS) and token != SPECIALS[number - 1]:
+            raise DataError(f"{name} is not a tfpar vocabulary: line {number} holds "
+                            f"{token!r}, not {SPECIALS[number - 1]!r}; it must start with "
+                            f"the lines {expected}")
+        if not token:
+            raise DataError(f"{name}: line {number} is empty; every line must hold one "
+                            "token (remove the blank line)")
+        if token in seen:
+            raise DataError(f"{name}: token {token!r} is on line {seen[token]} and again on "
+                            f"line {number}; every token must appear once")
+        seen[token] = number
+    if len(lines) < len(SPECIALS):
+        raise DataError(f"{name} is not a tfpar vocabulary: it ends after line {len(lines)}; "
+                        f"it must start with the lines {expected}")
+    if len(lines) == len(SPECIALS):
+        raise DataError(f"{name} holds only {expected}; it needs at least one word after "
+                        "them (a vocabulary of no words maps every word to <unk>)")
+    return tuple(lines)
+
+
+def first_difference(a: Vocab, b: Vocab) -> str:
+    """Where two vocabularies' token lists first differ, e.g. ``"line 5: 'x' against 'y'"``
+    (``"no line"`` where one list has ended); ``""`` if they are the same."""
+    for number in range(1, max(len(a), len(b)) + 1):
+        x, y = (v.tokens[number - 1] if number <= len(v) else None for v in (a, b))
+        if x != y:
+            return (f"line {number}: {'no line' if x is None else repr(x)} against "
+                    f"{'no line' if y is None else repr(y)}")
+    return ""
 
 
 def _token_batches(lines: Iterable[str], tokenizer: str, batch: int = 4096):

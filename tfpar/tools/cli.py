@@ -91,6 +91,13 @@ def add_data_flags(p: argparse.ArgumentParser) -> None:
                    help="keep at most N vocabulary entries incl. <pad> <unk> <eos> (0: all)")
     g.add_argument("--min-count", type=int, default=1,
                    help="words seen fewer times in train become <unk>")
+    g.add_argument("--vocab-file", default=None, metavar="PATH",
+                   help="use this vocabulary instead of counting the train split: one "
+                        "token per line, line number = id, the first three lines <pad> "
+                        "<unk> <eos> (e.g. a previous run's <model-dir>/vocab.txt); copied "
+                        "to <model-dir>/vocab.txt. It is used whole: --vocab-size and "
+                        "--min-count do not apply (giving either is an error). It has no "
+                        "train counts, so unigram_valid_ppl is not reported")
     g.add_argument("--max-length", type=int, default=80,
                    help="longest sentence-mode example in tokens (default: %(default)s)")
     g.add_argument("--long-sentences", default="split",
@@ -257,6 +264,7 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
             tokenizer=a.tokenizer, input_dir=a.input_dir, tfds_data_dir=a.tfds_data_dir,
             mode=a.mode,
             bptt=a.bptt, vocab_size=a.vocab_size, min_count=a.min_count,
+            vocab_file=a.vocab_file,
             max_length=a.max_length, long_sentences=a.long_sentences,
             max_pad_fraction=a.max_pad_fraction, synthetic_train=s_train,
             synthetic_valid=s_valid, synthetic_test=s_test,

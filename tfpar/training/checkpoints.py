@@ -20,6 +20,7 @@ import tempfile
 import tensorflow as tf
 
 from tfpar.config import Config, resume_conflicts
+from tfpar.data.vocab import VOCAB_FILE, Vocab, first_difference
 from tfpar.errors import CheckpointError, ConfigError
 from tfpar.parallel import ASYNCHRONOUS
 
@@ -35,10 +36,11 @@ def incompatible(model_dir: str, what: str) -> CheckpointError:
 
 
 @contextlib.contextmanager
-def open_model_dir(config: Config, is_chief: bool):
+def open_model_dir(config: Config, is_chief: bool, *, vocab: Vocab | None = None):
     """Creates the model dir (default ``runs/<strategy>-<timestamp>``), takes its writer
-    lock (the chief only), checks or writes its ``config.json``; yields its path and
-    releases the lock on the way out, however the run ends."""
+    lock (the chief only), checks its ``config.json`` and ``vocab.txt`` against this run
+    and then writes them; yields its path and releases the lock on the way out, however
+    the run ends."""
     model_dir = config.run.model_dir or os.path.join(
         "runs", f"{config.dist.strategy}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     )
@@ -53,16 +55,18 @@ def open_model_dir(config: Config, is_chief: bool):
     if lock is not None:
         lock.acquire()
     try:
-        check_config_file(model_dir, config, is_chief)
+        check_config_file(model_dir, config, is_chief, vocab=vocab)
         yield model_dir
     finally:
         if lock is not None:
             lock.release()
 
 
-def check_config_file(model_dir: str, config: Config, is_chief: bool) -> None:
-    """Refuses a ``config.json`` the run cannot resume; the chief then writes this run's
-    configuration there (the latest run's is what the next resume is checked against)."""
+def check_config_file(model_dir: str, config: Config, is_chief: bool, *,
+                      vocab: Vocab | None = None) -> None:
+    """Refuses a ``config.json`` (or, given ``vocab``, a ``vocab.txt``) the run cannot
+    resume; only then the chief writes this run's configuration there (the latest run's
+    is what the next resume is checked against) and saves ``vocab`` if none is saved."""
     path = os.path.join(model_dir, CONFIG_FILE)
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
@@ -72,11 +76,28 @@ def check_config_file(model_dir: str, config: Config, is_chief: bool) -> None:
             raise incompatible(model_dir, conflicts[0])
         check_batch_change(model_dir, stored, config)
         warn_on_exactness_change(stored, config)
+    if vocab is not None:
+        if os.path.exists(os.path.join(model_dir, VOCAB_FILE)):
+            check_vocab(model_dir, vocab, config.data.vocab_file)
+        elif is_chief:
+            vocab.save(model_dir)  # atomically
     if is_chief:
         tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(config.to_json())
         os.replace(tmp, path)
+
+
+def check_vocab(model_dir: str, vocab: Vocab, vocab_file: str | None) -> None:
+    """Ids cannot silently change: a resumed run's vocabulary (built now, or read from
+    ``vocab_file``) must hold the tokens of the ``vocab.txt`` saved beside its checkpoints."""
+    saved = Vocab.load(os.path.join(model_dir, VOCAB_FILE), tokenizer=vocab.tokenizer)
+    difference = first_difference(saved, vocab)
+    if difference:
+        now = f"--vocab-file {vocab_file}" if vocab_file else "the one built from the train split now"
+        raise incompatible(model_dir, f"vocabulary: the saved {VOCAB_FILE} ({len(saved)} "
+                                      f"entries) and {now} ({len(vocab)} entries) differ at "
+                                      f"{difference}")
 
 
 def check_batch_change(model_dir: str, stored: Config, config: Config) -> None:

@@ -5,7 +5,8 @@ for asynchronous parameter-server training, its coordinator), so a new strategy 
 plug-in, not a change here. A run:
 
 1. a parameter-server cluster's worker and ps tasks only serve (chosen first);
-2. loads the corpus and builds (or, when resuming, reloads) the vocabulary;
+2. loads the corpus and builds the vocabulary (or reads ``--vocab-file``), then opens the
+   model dir, where a resumed run's saved ``vocab.txt`` must hold the same tokens;
 3. builds the train state inside the strategy's scope and restores the latest
    checkpoint of ``model_dir`` if there is one (step, epoch, position in the epoch,
    optimizer slots, RNG state);
@@ -52,20 +53,18 @@ def check_batch_sizes(config: Config, num_replicas: int) -> None:
             )
 
 
-def prepare_vocab(config: Config, corpus: LoadedCorpus, model_dir: str, is_chief: bool) -> Vocab:
-    """The train vocabulary; a resumed run checks it against the one saved beside its
-    checkpoints, so ids cannot silently change."""
-    vocab = Vocab.build(corpus.splits["train"], tokenizer=config.data.tokenizer,
-                        max_size=config.data.vocab_size, min_count=config.data.min_count)
-    saved = os.path.join(model_dir, "vocab.txt")
-    if os.path.exists(saved):
-        old = Vocab.load(saved, tokenizer=config.data.tokenizer)
-        if old.tokens != vocab.tokens:
-            raise checkpoints.incompatible(
-                model_dir, f"vocabulary: {len(old)} entries saved, {len(vocab)} built now")
-    elif is_chief:
-        vocab.save(model_dir)
-    return vocab
+def load_vocab(config: Config, corpus: LoadedCorpus) -> Vocab:
+    """The run's vocabulary: read from ``--vocab-file`` (used whole, no train counts) or
+    built from the train split. Made before the model dir, so a bad file leaves nothing
+    on disk; ``checkpoints.open_model_dir`` checks it against a resumed run's and saves it."""
+    data = config.data
+    if data.vocab_file is not None:
+        vocab = Vocab.load(data.vocab_file, tokenizer=data.tokenizer)
+        log.info("vocabulary: %d entries read from %s; it has no train counts, so "
+                 "unigram_valid_ppl is not reported", len(vocab), data.vocab_file)
+        return vocab
+    return Vocab.build(corpus.splits["train"], tokenizer=data.tokenizer,
+                       max_size=data.vocab_size, min_count=data.min_count)
 
 
 def build_plugin(config: Config):
@@ -91,14 +90,15 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     check_batch_sizes(config, plugin.num_replicas)
     # Read before the model dir is made: a corpus that cannot be read leaves nothing on disk.
     corpus = load_corpus(config.data, seed=config.train.seed)
-    with checkpoints.open_model_dir(config, plugin.is_chief) as model_dir:
-        return _train(config, plugin, model_dir, corpus)
+    vocab = load_vocab(config, corpus)
+    with checkpoints.open_model_dir(config, plugin.is_chief, vocab=vocab) as model_dir:
+        return _train(config, plugin, model_dir, corpus=corpus, vocab=vocab)
 
 
-def _train(config: Config, plugin, model_dir: str, corpus: LoadedCorpus) -> dict[str, Any]:
-    """The run itself, on ``corpus``, in a model dir this process holds."""
+def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
+           vocab: Vocab) -> dict[str, Any]:
+    """The run itself, on ``corpus`` and ``vocab``, in a model dir this process holds."""
     asynchronous = config.dist.strategy in ASYNCHRONOUS
-    vocab = prepare_vocab(config, corpus, model_dir, plugin.is_chief)
     data = InputData(corpus.splits, vocab, config.data, seed=config.train.seed)
     log.info("corpus %s: %s sentences; vocabulary %d", corpus.name,
              "/".join(str(len(corpus.splits[s])) for s in ("train", "valid", "test")), len(vocab))
@@ -158,7 +158,9 @@ def _final_metrics(config, plugin, corpus, vocab, progress, model_dir, steps) ->
         "tokens_per_sec": progress.tokens / progress.seconds if progress.seconds else None,
         "train_ppl": perplexity(progress.nll, progress.count),
         "skipped_batches": progress.skipped,
-        "unigram_valid_ppl": vocab.unigram_perplexity(corpus.splits["valid"]),
+        # None (null in the JSON) for a --vocab-file vocabulary, which has no counts.
+        "unigram_valid_ppl": vocab.unigram_perplexity(corpus.splits["valid"])
+        if vocab.has_counts else None,
         "model_dir": model_dir,
         "corpus": corpus.name,
     }

@@ -1,0 +1,64 @@
+"""Reading a user's UTF-8 text file (a corpus split, a vocabulary) with one-line errors.
+
+The one place that turns "cannot read", "is a folder", "is binary" and "is not UTF-8"
+into :class:`~tfpar.errors.DataError` messages that name the file and say what it
+must be, so corpora and vocabularies report a bad file the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tfpar.errors import DataError
+
+
+def read_text(file: Path, what: str, *, holds: str) -> str:
+    """The decoded text of ``file``.
+
+    Args:
+      file: the path.
+      what: how messages name the file: ``"{what} file {file} ..."`` ("train", "corpus",
+        "vocabulary").
+      holds: what each line of a good file holds, for the advice ("one sentence per line").
+
+    Raises:
+      DataError: the file does not exist, is a folder or unreadable, holds a NUL byte
+        (binary) or is not UTF-8. A UTF-8 byte-order mark is dropped.
+    """
+    return _decode(_read_bytes(file, what, holds), file, what, holds)
+
+
+def _read_bytes(file: Path, what: str, holds: str) -> bytes:
+    try:
+        return file.read_bytes()
+    except FileNotFoundError:
+        raise DataError(
+            f"{what} file {file} does not exist; give the path of a UTF-8 text file with "
+            f"{holds}") from None
+    except PermissionError:
+        raise DataError(
+            f"cannot read {what} file {file}: permission denied; make it readable "
+            f"(e.g. chmod a+r {file})") from None
+    except IsADirectoryError:
+        raise DataError(
+            f"{what} file {file} is a folder; it must be a UTF-8 text file with {holds}") from None
+    except OSError as e:
+        raise DataError(f"cannot read {what} file {file}: {e.strerror or e}") from None
+
+
+def _decode(data: bytes, file: Path, what: str, holds: str) -> str:
+    # A NUL byte is valid UTF-8 but never occurs in text, so it is the cheap sign of a
+    # binary file (an archive or a saved array) given by mistake.
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise DataError(
+            f"{what} file {file} is binary, not text (NUL byte at offset {nul}); it must be "
+            f"UTF-8 text with {holds}")
+    try:
+        # utf-8-sig drops a byte-order mark that some editors write, which would otherwise
+        # stick to the first token.
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{what} file {file} is not UTF-8: byte 0x{data[e.start]:02x} at offset {e.start} "
+            "cannot be decoded; re-encode the file as UTF-8 (e.g. iconv -t UTF-8)") from None
