@@ -409,7 +409,7 @@ def test_loopback_workers_flag_errors_name_the_value():
 
     assert loopback_counts("") == () and loopback_counts("2,3") == (2, 3)
     for bad in ("1", "two", "2,x"):
-        with pytest.raises(ConfigError, match=f"--loopback-workers '{bad}'"):
+        with pytest.raises(ConfigError, match=f"--loopback-workers '{bad}' must be"):
             loopback_counts(bad)
 
 
@@ -428,3 +428,38 @@ def test_two_loopback_workers_time_step_compute_and_allreduce():
     params = roofline.parameter_count(layers=spec.layers, embed_dim=spec.embed_dim,
                                       hidden_dim=spec.hidden_dim, vocab_size=len(setup.vocab))
     assert got["gradient_bytes"] == 4 * params
+
+
+def test_corpus_scaling_reports_rss_start_up_and_speed_for_each_factor(tiny_corpus_dir):
+    """Two factors of the tiny corpus, each trained with a built vocabulary and with the
+    first run's vocab.txt: every figure is there and plausible, and the repeated train
+    split is the factor times the original."""
+    from conftest import PINNED
+
+    from tfpar.tools.bench import corpus_scaling
+
+    small = [*PINNED, "--embed-dim", "8", "--hidden-dim", "8", "--batch-size", "8"]
+    results = corpus_scaling.run([1, 3], corpus=str(tiny_corpus_dir), steps=3, extra=small)
+    one, three = results["rows"]
+    assert three["train_mb"] == pytest.approx(3 * one["train_mb"])
+    for row in results["rows"]:
+        for run in (row["built"], row["vocab_file"]):
+            assert run["peak_rss_mb"] > 50  # TensorFlow alone is more
+            assert 0 < run["seconds_to_first_step"] < run["wall_seconds"]
+            assert run["tokens_per_sec"] > 0 and run["vocab_seconds"] >= 0
+        assert row["built"]["vocab_mb_per_sec"] > 0
+    assert results["rss_largest_vs_1x"] == pytest.approx(
+        three["built"]["peak_rss_mb"] / one["built"]["peak_rss_mb"])
+    assert set(results["targets"]) == set(corpus_scaling.TARGETS)
+    assert "vocab MB/s" in corpus_scaling.format_report(results)
+
+
+def test_corpus_scaling_errors_are_one_line(tmp_path, capsys):
+    assert main(["--corpus-scaling", "0"]) == 2
+    assert "--corpus-scaling '0' must be comma-separated integers of at least 1" in \
+        capsys.readouterr().err
+    (tmp_path / "train.txt").write_text("a b\n")
+    assert main(["--corpus-scaling", "1", "--scaling-corpus", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --scaling-corpus '{tmp_path}' has no valid file")
+    assert len(err.splitlines()) == 1

@@ -36,6 +36,7 @@ class Progress:
     nll: float = 0.0
     count: float = 0.0
     skipped: int = 0
+    first_step_time: float | None = None  # time.time() when the first step was recorded
 
 
 def evaluate(plugin, eval_step, data, split: str, batch_size: int) -> tuple[float, float]:
@@ -224,6 +225,8 @@ class Loop:
                        grad_norm=sum(f[2] for f in finite) / len(finite), seconds=seconds,
                        learning_rate=float(self.state.optimizer.learning_rate))
             p = self.progress
+            if p.first_step_time is None:
+                p.first_step_time = time.time()
             if warm:
                 p.tokens += r.count
                 p.seconds += seconds

@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -89,15 +90,19 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     plugin.check_config(config)
     check_batch_sizes(config, plugin.num_replicas)
     # Read before the model dir is made: a corpus that cannot be read leaves nothing on disk.
+    started = time.time()
     corpus = load_corpus(config.data, seed=config.train.seed)
+    read = time.time()
     vocab = load_vocab(config, corpus)
+    timings = {"corpus_seconds": read - started, "vocab_seconds": time.time() - read}
     with checkpoints.open_model_dir(config, plugin.is_chief, vocab=vocab) as model_dir:
-        return _train(config, plugin, model_dir, corpus=corpus, vocab=vocab)
+        return _train(config, plugin, model_dir, corpus=corpus, vocab=vocab, timings=timings)
 
 
 def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
-           vocab: Vocab) -> dict[str, Any]:
-    """The run itself, on ``corpus`` and ``vocab``, in a model dir this process holds."""
+           vocab: Vocab, timings: dict[str, float]) -> dict[str, Any]:
+    """The run itself, on ``corpus`` and ``vocab``, in a model dir this process holds;
+    ``timings`` (seconds reading the corpus and making the vocabulary) go to the metrics."""
     asynchronous = config.dist.strategy in ASYNCHRONOUS
     data = InputData(corpus.splits, vocab, config.data, seed=config.train.seed)
     log.info("corpus %s: %s sentences; vocabulary %d", corpus.name,
@@ -134,6 +139,9 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
                           eval_step, train_steps).run()
 
     metrics = _final_metrics(config, plugin, corpus, vocab, progress, model_dir, state.step)
+    # Start-up cost, for the corpus-scaling benchmark: when the first step was done (Unix
+    # time; None when no step ran), and how long the corpus and the vocabulary took.
+    metrics.update(timings, first_step_time=progress.first_step_time)
     for split in ("valid", "test"):
         nll, count = evaluate(plugin, eval_step, data, split,
                               config.train.global_eval_batch_size)

@@ -34,6 +34,13 @@ def parser() -> argparse.ArgumentParser:
                    help="comma-separated worker counts, e.g. 2,3: check the scaling model "
                         "against that many multi_worker processes on loopback (about a "
                         "minute each; default: none)")
+    p.add_argument("--corpus-scaling", default="",
+                   help="comma-separated factors, e.g. 1,20,100: instead of the throughput "
+                        "benchmark, train 50 steps on the --scaling-corpus train split "
+                        "repeated that many times (with and without --vocab-file) and report "
+                        "peak RSS, time to the first step, vocabulary MB/s and tokens/s")
+    p.add_argument("--scaling-corpus", default="",
+                   help="corpus folder for --corpus-scaling (default: ../shared/data/wikitext-2)")
     p.add_argument("--serve", default="", help=argparse.SUPPRESS)  # child process (internal)
     p.add_argument("--worker-task", default="", help=argparse.SUPPRESS)  # loopback worker
     return p
@@ -51,11 +58,11 @@ def spec_from_args(a: argparse.Namespace) -> BenchSpec:
     return quick_spec(**overrides) if a.quick else BenchSpec(**overrides)
 
 
-def loopback_counts(text: str) -> tuple[int, ...]:
-    """``--loopback-workers 2,3`` -> (2, 3).
+def counts_flag(flag: str, text: str, *, least: int) -> tuple[int, ...]:
+    """``"2,3"`` -> (2, 3) for a flag of comma-separated integers >= ``least``.
 
     Raises:
-      ConfigError: not comma-separated integers >= 2.
+      ConfigError: anything else.
     """
     from tfpar.errors import ConfigError
 
@@ -63,10 +70,31 @@ def loopback_counts(text: str) -> tuple[int, ...]:
         counts = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         counts = ()
-    if text.strip() and (not counts or min(counts) < 2):
-        raise ConfigError(f"--loopback-workers {text!r} must be comma-separated worker counts "
-                          "of at least 2, e.g. 2,3")
+    if text.strip() and (not counts or min(counts) < least):
+        raise ConfigError(f"{flag} {text!r} must be comma-separated integers of at least "
+                          f"{least}, e.g. {least},{least + 1}")
     return counts
+
+
+def loopback_counts(text: str) -> tuple[int, ...]:
+    """``--loopback-workers 2,3`` -> (2, 3) (worker counts of at least 2)."""
+    return counts_flag("--loopback-workers", text, least=2)
+
+
+def corpus_scaling_main(args: argparse.Namespace) -> int:
+    """``--corpus-scaling``: prints the table (and writes ``--json``); exit 1 under
+    ``--check`` when a target is missed."""
+    from tfpar.tools.bench import corpus_scaling
+    from tfpar.tools.bench.report import write_json
+
+    factors = counts_flag("--corpus-scaling", args.corpus_scaling, least=1)
+    results = corpus_scaling.run(factors, corpus=args.scaling_corpus
+                                 or corpus_scaling.DEFAULT_CORPUS)
+    print(corpus_scaling.format_report(results))
+    if args.json:
+        write_json(args.json, results)
+    missed = [n for n, t in results["targets"].items() if not t["pass"]]
+    return 1 if args.check and missed else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -87,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(args.serve)
 
     def body():
+        if args.corpus_scaling:
+            return corpus_scaling_main(args)
         spec = spec_from_args(args)
         from tfpar.parallel import devices
         from tfpar.tools.bench.contenders import ContenderFailed
