@@ -199,7 +199,7 @@ def roofline_figures(spec: BenchSpec, vocab_size: int, rate: dict[str, float],
     mms = roofline.step_matmuls(layers=spec.layers, embed_dim=spec.embed_dim,
                                 hidden_dim=spec.hidden_dim, vocab_size=vocab_size,
                                 batch_size=spec.batch_size, bptt=spec.bptt)
-    rates = roofline.measure_rates(mms)
+    rates = roofline.measure_rates(mms, min_seconds=spec.roofline_seconds)
     tokens = spec.batch_size * spec.bptt
     flops_per_token = roofline.step_flops(mms) / tokens
     limit = {p: tokens / roofline.limit_seconds(mms, rates, p) for p in ("fp32", "bf16")}

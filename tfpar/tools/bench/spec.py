@@ -55,6 +55,8 @@ class BenchSpec:
     # Untimed steps per contender before the first round: tracing (stream mode traces
     # twice: the first window starts from no state, the second from a carried one).
     warmup: int = 3
+    # Seconds each matmul shape of the roofline is timed for (three batches of calls).
+    roofline_seconds: float = 0.2
     # Generated corpus size when `data` is "synthetic" (train sentences).
     synthetic_sentences: int = 20000
     seed: int = 0
@@ -83,7 +85,7 @@ def tiny_spec(**overrides) -> BenchSpec:
     return BenchSpec(**{
         "data": "synthetic", "layers": 1, "embed_dim": 16, "hidden_dim": 16,
         "vocab_size": 0, "batch_size": 8, "bptt": 10, "rounds": 1, "steps": 3, "warmup": 2,
-        "synthetic_sentences": 300, **overrides})
+        "synthetic_sentences": 300, "roofline_seconds": 0.01, **overrides})
 
 
 def check_targets(results: dict[str, Any]) -> list[tuple[str, Any, str, float, bool]]:
