@@ -28,13 +28,11 @@ import tempfile
 import time
 from typing import Any, Sequence
 
+from tfpar.data.corpora import SPLIT_PATTERNS, SPLITS
 from tfpar.errors import ConfigError
-from tfpar.tools.bench.spec import REPO
+from tfpar.tools.bench.spec import REPO, target_verdicts
 
 DEFAULT_CORPUS = os.path.join(os.path.dirname(REPO), "shared", "data", "wikitext-2")
-SPLIT_NAMES = {"train": ("wiki.train.tokens", "train.txt", "ptb.train.txt"),
-               "valid": ("wiki.valid.tokens", "valid.txt", "ptb.valid.txt"),
-               "test": ("wiki.test.tokens", "test.txt", "ptb.test.txt")}
 TARGETS = {"rss_largest_vs_1x": ("<=", 1.2), "first_step_largest_vs_1x_vocab_file": ("<=", 1.5)}
 
 
@@ -45,7 +43,8 @@ def split_files(corpus: str) -> dict[str, str]:
       ConfigError: the folder lacks one of the splits.
     """
     found = {}
-    for split, names in SPLIT_NAMES.items():
+    for split in SPLITS:
+        names = [pattern.format(split) for pattern in SPLIT_PATTERNS]  # a corpus folder's
         for name in names:
             path = os.path.join(corpus, name)
             if os.path.isfile(path):
@@ -123,10 +122,7 @@ def run(factors: Sequence[int], *, corpus: str = DEFAULT_CORPUS, steps: int = 50
                "first_step_largest_vs_1x_vocab_file": (
                    last["vocab_file"]["seconds_to_first_step"]
                    / first["vocab_file"]["seconds_to_first_step"])}
-    results["targets"] = {
-        name: {"value": results[name], "target": f"{op} {limit}",
-               "pass": results[name] <= limit}
-        for name, (op, limit) in TARGETS.items()}
+    results["targets"] = target_verdicts(results, TARGETS)
     return results
 
 

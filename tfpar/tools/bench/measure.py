@@ -21,7 +21,7 @@ from tfpar.tools.bench.contenders import (SPE, TWO_DEVICE, Contender, ContenderF
                                           distribution_configs, in_memory_twin,
                                           keras_baseline, variant_configs)
 from tfpar.tools.bench.remote import ContenderServer
-from tfpar.tools.bench.spec import BenchSpec, check_targets
+from tfpar.tools.bench.spec import BenchSpec, target_verdicts
 from tfpar.tools.bench.workload import Setup, load_setup
 
 log = logging.getLogger("tfpar.tools.bench")
@@ -343,8 +343,7 @@ def run(spec: BenchSpec, *, loopback: Sequence[int] = ()) -> dict[str, Any]:
     if loopback:
         errors = [abs(c["error_from_one_process"]) for c in results["scaling"]["loopback"]]
         results["scaling_model_max_error"] = max(errors)
-        results["targets"] = {name: {"value": value, "target": f"{op} {threshold}", "pass": ok}
-                              for name, value, op, threshold, ok in check_targets(results)}
+        results["targets"] = target_verdicts(results)
     results["seconds"] = time.time() - started
     return results
 
@@ -445,6 +444,5 @@ def _measure(spec, setup, results, keras_contender, tfpar, distribution, server,
     results["default_fraction_of_limit"] = results["roofline"]["fraction_of_limit"]["default"]
     results["breakdown"] = step_breakdown(spec, setup, results, other)
     results["mirrored2_vs_default"] = results["distribution_vs_default"].get("mirrored2")
-    results["targets"] = {name: {"value": value, "target": f"{op} {threshold}", "pass": ok}
-                          for name, value, op, threshold, ok in check_targets(results)}
+    results["targets"] = target_verdicts(results)
     return results

@@ -88,14 +88,26 @@ def tiny_spec(**overrides) -> BenchSpec:
         "synthetic_sentences": 300, "roofline_seconds": 0.01, **overrides})
 
 
-def check_targets(results: dict[str, Any]) -> list[tuple[str, Any, str, float, bool]]:
-    """``(name, value, comparison, threshold, passed)`` for every target in TARGETS;
-    a missing value fails."""
+def check_targets(results: dict[str, Any], targets: dict[str, tuple[str, float]] | None = None
+                  ) -> list[tuple[str, Any, str, float, bool]]:
+    """``(name, value, comparison, threshold, passed)`` for every target in ``targets``
+    (default: TARGETS, and LOOPBACK_TARGETS when the run has the loopback check); a
+    missing value fails."""
     rows = []
-    targets = {**TARGETS, **(LOOPBACK_TARGETS if "scaling_model_max_error" in results else {})}
+    if targets is None:
+        targets = {**TARGETS,
+                   **(LOOPBACK_TARGETS if "scaling_model_max_error" in results else {})}
     for name, (op, threshold) in targets.items():
         value = results.get(name)
         ok = isinstance(value, (int, float)) and math.isfinite(value) and (
             value >= threshold if op == ">=" else value <= threshold)
         rows.append((name, value, op, threshold, ok))
     return rows
+
+
+def target_verdicts(results: dict[str, Any], targets: dict[str, tuple[str, float]] | None = None
+                    ) -> dict[str, dict[str, Any]]:
+    """``results["targets"]``: name -> {"value", "target" (e.g. ">= 1.5"), "pass"}, from
+    :func:`check_targets`."""
+    return {name: {"value": value, "target": f"{op} {threshold}", "pass": ok}
+            for name, value, op, threshold, ok in check_targets(results, targets)}

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -33,8 +32,6 @@ from typing import Any, NoReturn
 import numpy as np
 
 from tfpar.tools.bench.spec import REPO, BenchSpec
-
-log = logging.getLogger("tfpar.tools.bench")
 
 SMALL_FLOATS = 1024  # the latency probe: 4 KB
 
