@@ -6,7 +6,7 @@ from tfpar.config import DataConfig
 from tfpar.errors import DataError
 from tfpar.data.pipeline import (InputData, bucket_boundaries, count_tokens, per_replica,
                                   sentence_lengths, shard_bounds)
-from tfpar.data.vocab import EOS_ID, PAD_ID, Vocab
+from tfpar.data.vocab import EOS_ID, PAD_ID, Vocab, length_histogram
 
 
 def make_lines(n, seed=0, max_words=30):
@@ -91,21 +91,66 @@ def test_shard_bounds_cover_rows_exactly_once(rows_, shards):
     assert max(sizes) - min(sizes) <= 1
 
 
-@pytest.mark.parametrize("replicas,pipelines", [(2, 1), (3, 1), (4, 2)])
-def test_replica_slices_reassemble_the_global_batch(replicas, pipelines):
-    data = make_data(make_lines(101), max_pad_fraction=0.3)
+@pytest.mark.parametrize("mode", ["sentence", "stream"])
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_replica_slices_of_one_pipeline_reassemble_the_global_batch(replicas, mode):
+    data = make_data(make_lines(101), max_pad_fraction=0.3, mode=mode, bptt=7)
     global_batches = [b for b in data.batches("train", training=True, batch_size=10)]
-    per_pipeline = [list(data.batches("train", training=True, batch_size=10,
-                                      input_context=Ctx(replicas, pipelines, p)))
-                    for p in range(pipelines)]
-    local = replicas // pipelines
+    slices = list(data.batches("train", training=True, batch_size=10,
+                               input_context=Ctx(replicas)))
+    assert len(slices) == replicas * len(global_batches)
     for k, g in enumerate(global_batches):
-        parts = []
-        for p in range(pipelines):
-            parts += per_pipeline[p][k * local:(k + 1) * local]
+        parts = slices[k * replicas:(k + 1) * replicas]
         assert sum((rows(s) for s in parts), []) == rows(g)
         for s in parts:  # never an empty replica batch
             assert s["targets"].shape[0] >= 1
+
+
+def _epoch_lines(data, pipelines, replicas, epoch=0):
+    """Every sentence (target ids) each pipeline trains on in one epoch."""
+    seen = []
+    for p in range(pipelines):
+        ctx = Ctx(replicas, pipelines, p)
+        mine = [r for b in data.batches("train", training=True, epoch=epoch, batch_size=12,
+                                        input_context=ctx) for r in rows(b)]
+        seen.append(mine)
+    return seen
+
+
+@pytest.mark.parametrize("pipelines", [2, 3])
+@pytest.mark.parametrize("files", [1, 5])
+def test_input_pipelines_read_disjoint_shares_whose_union_is_the_corpus(tmp_path, pipelines,
+                                                                        files):
+    """With at least as many shard files as pipelines each reads its own files; with
+    fewer, each keeps its share of the lines. An epoch over all pipelines is the corpus:
+    nothing twice, nothing lost."""
+    from tfpar.data.text import TextSplit
+
+    lines = [f"s{i} " + " ".join(f"w{(i * 7 + j) % 40}" for j in range(i % 9)) for i in range(150)]
+    paths = []
+    for f in range(files):
+        path = tmp_path / f"train-{f:03d}.txt"
+        path.write_text("\n".join(lines[f::files]) + "\n")
+        paths.append(path)
+    split = TextSplit.of_files(paths)
+    data = InputData({"train": split, "valid": lines[:5], "test": lines[:5]},
+                     Vocab.build(lines), DataConfig(max_length=20), seed=3)
+    seen = _epoch_lines(data, pipelines, replicas=2 * pipelines)
+    one_device = sorted(rows(b)[i] for b in data.batches("train", training=True, batch_size=12)
+                        for i in range(len(rows(b))))
+    union = sorted(r for mine in seen for r in mine)
+    assert union == one_device  # nothing lost, nothing twice
+    assert len(one_device) == len(lines)
+    for a in range(pipelines):
+        assert seen[a], "every pipeline gets sentences"
+        for b in range(a + 1, pipelines):
+            assert not set(seen[a]) & set(seen[b])
+    if files >= pipelines:  # each pipeline read only its own files
+        for p, mine in enumerate(seen):
+            # Sentence "s<i>" is in file i % files; a pipeline reads whole files.
+            files_read = {int(data.vocab.tokens[r[0]][1:]) % files for r in mine}
+            assert len(files_read) == len(range(p, files, pipelines))
+            assert len(mine) == sum(len(lines[f::files]) for f in files_read)
 
 
 def test_partial_batch_smaller_than_replicas_pads_empty_replicas():
@@ -118,7 +163,7 @@ def test_partial_batch_smaller_than_replicas_pads_empty_replicas():
 
 def test_bucket_boundaries_keep_padding_below_target():
     lengths = sentence_lengths(make_lines(5000, max_words=60), tokenizer="whitespace")
-    bounds = bucket_boundaries(lengths, 80, 0.02)
+    bounds = bucket_boundaries(length_histogram(lengths), 80, 0.02)
     assert bounds == sorted(bounds) and len(set(bounds)) == len(bounds)
     edges = [1] + bounds + [81]
     for lo, hi in zip(edges[:-1], edges[1:]):
@@ -127,25 +172,33 @@ def test_bucket_boundaries_keep_padding_below_target():
             assert (inside.max() * inside.size - inside.sum()) / (inside.max() * inside.size) <= 0.02 + 1e-9
 
 
-def test_stream_mode_columns_are_contiguous():
+def test_stream_mode_rows_are_contiguous_byte_ranges_of_the_split():
     lines = [f"t{i}" for i in range(40)]  # stream: t0 <eos> t1 <eos> ...
     data = make_data(lines, mode="stream", bptt=3)
     batches = list(data.batches("train", training=False, batch_size=2))
     inputs = np.concatenate([b["inputs"].numpy() for b in batches], axis=1)
     targets = np.concatenate([b["targets"].numpy() for b in batches], axis=1)
-    np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])
-    columns = 80 // 2
-    assert inputs.shape == (2, columns - 1)
     assert all(b["inputs"].shape[1] <= 3 for b in batches)
-    # Row 1 starts where row 0's column ends in the stream.
     stream = np.array(data.vocab.encode(" ".join(f"t{i} <eos>" for i in range(40))))
-    np.testing.assert_array_equal(inputs[1], stream[columns:2 * columns - 1])
+    rebuilt = []
+    for row_in, row_out in zip(inputs, targets):
+        real = row_out != PAD_ID
+        # Each row is one token stream: its targets are its inputs one step on.
+        np.testing.assert_array_equal(row_in[1:][real[1:]], row_out[:-1][real[1:]])
+        rebuilt += [row_in[0]] + list(row_out[real])
+    # Row 1 starts where row 0 ends: together they are the whole stream, in order.
+    np.testing.assert_array_equal(rebuilt, stream)
+    # Cut at the first line start at or after half the 150 bytes ("t0\n".."t9\n" are 3
+    # bytes, the rest 4): byte 78, after t21, so row 0 holds 22 lines, 44 tokens.
+    assert (targets[0] != PAD_ID).sum() == 44 - 1
 
 
-def test_stream_mode_too_few_tokens_is_an_error():
-    data = make_data(["a"], mode="stream")
-    with pytest.raises(DataError, match="too few for 64 stream columns; use a smaller --batch-size"):
-        data.batches("valid", training=False, batch_size=64)
+def test_stream_mode_rows_without_text_are_padding():
+    data = make_data(["a b", "c"], mode="stream")
+    batches = list(data.batches("valid", training=False, batch_size=8))
+    real, slots = count_tokens(tf.data.Dataset.from_tensor_slices([0]).flat_map(lambda _: data.batches("valid", training=False, batch_size=8)))
+    assert real == 5 - 2  # two non-empty rows, each predicts all but its first token
+    assert all(b["targets"].shape[0] == 8 for b in batches)
 
 
 def test_empty_split_is_an_error():

@@ -108,6 +108,9 @@ class DataConfig:
     # Bucket boundaries are chosen from the train length histogram so that the expected
     # share of pad tokens stays below this fraction.
     max_pad_fraction: float = 0.02
+    # Sentence-mode training shuffles each epoch's file (shard) order and then lines
+    # through a buffer of this many lines (bounded memory, whatever the corpus size).
+    shuffle_buffer: int = 10_000
     # Synthetic corpus size, in sentences per split.
     synthetic_train: int = 20000
     synthetic_valid: int = 2000
@@ -120,6 +123,7 @@ class DataConfig:
         _choice("mode", self.mode, MODES)
         _choice("long-sentences policy", self.long_sentences, LONG_SENTENCES)
         _positive("bptt", self.bptt)
+        _positive("shuffle-buffer", self.shuffle_buffer)
         _non_negative("vocab-size", self.vocab_size)
         if 0 < self.vocab_size < 4:
             raise ConfigError(

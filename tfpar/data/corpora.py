@@ -1,8 +1,10 @@
 """Where text comes from: corpus folders (PTB, WikiText-2, your own), one text file, TFDS.
 
-Every source becomes a :class:`Corpus`: three lists of sentences, one sentence per item,
-each stripped of surrounding whitespace, with blank lines dropped. This module never
-tokenises (``tfpar.data.tokenize`` does) or builds a vocabulary.
+Every source becomes a :class:`Corpus`: three splits, each a list of file byte ranges
+(``tfpar.data.text.TextSplit``) that the input pipeline streams line by line; a line is a
+sentence, stripped of surrounding whitespace, and blank lines are dropped. Nothing here
+reads a whole corpus into memory. This module never tokenises (``tfpar.data.tokenize``
+does) or builds a vocabulary.
 
 A corpus folder holds three UTF-8 text files, one sentence per line, named by one of
 :data:`SPLIT_PATTERNS`::
@@ -31,7 +33,8 @@ from pathlib import Path
 from typing import Iterable
 
 from tfpar.config import SPLIT_FRACTIONS, check_split_fractions
-from tfpar.data.textfile import read_text
+from tfpar.data.text import Segment, TextSplit, iterate_lines, write_splits
+from tfpar.data.textfile import check_text_file
 from tfpar.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -56,19 +59,19 @@ _LISTED_NAMES = 5
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-    """Three splits of sentences from one source.
-
-    The lists are left out of ``repr`` so that a log line or a failing test does not
-    print a whole corpus.
-    """
+    """Three splits of one source, each a :class:`tfpar.data.text.TextSplit`: byte
+    ranges of files, read line by line when a pipeline runs, never held in memory."""
 
     # "ptb", "wikitext-2", "tfds:tiny_shakespeare", or the folder (file) name for --data
     # DIR (--data FILE).
     name: str
-    # One sentence per item: stripped, never empty; tokens are separated by whitespace.
-    train: list[str] = dataclasses.field(repr=False)
-    valid: list[str] = dataclasses.field(repr=False)
-    test: list[str] = dataclasses.field(repr=False)
+    train: TextSplit
+    valid: TextSplit
+    test: TextSplit
+
+    def lines(self, split: str) -> list[str]:
+        """The stripped, non-blank lines of ``split`` (reads them; for tests and tools)."""
+        return list(iterate_lines(getattr(self, split)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,17 +175,10 @@ def _find_split_files(folder: Path) -> dict[str, Path]:
         f"but {_listing(folder)}")
 
 
-def _read_split(file: Path, split: str) -> list[str]:
-    """Reads one split file into sentences."""
-    text = read_text(file, split, holds=SENTENCE_PER_LINE)
-    # Split on "\n" only (str.splitlines would also break at form feeds and U+2028), so a
-    # sentence is exactly a line as `wc -l` counts it; strip() removes any "\r".
-    sentences = _sentences(text.split("\n"))
-    if not sentences:
-        raise DataError(
-            f"{split} split {file} has no sentences (it is empty or holds only blank lines); "
-            "it needs one sentence per line")
-    return sentences
+def _read_split(file: Path, split: str) -> TextSplit:
+    """One split file, checked (see ``check_text_file``), as a TextSplit."""
+    check_text_file(file, split, holds=SENTENCE_PER_LINE)
+    return TextSplit.of_files([file])
 
 
 def read_text_dir(path: str | os.PathLike) -> Corpus:
@@ -210,8 +206,8 @@ def read_text_dir(path: str | os.PathLike) -> Corpus:
             f"(e.g. chmod a+rx {folder})") from None
     splits = {split: _read_split(file, split) for split, file in files.items()}
     corpus = Corpus(name=Path(os.path.abspath(folder)).name, **splits)
-    logger.info("Read corpus %s from %s: %s sentences (train/valid/test)", corpus.name,
-                folder, "/".join(str(len(splits[s])) for s in SPLITS))
+    logger.info("Corpus %s in %s: %s (train/valid/test)", corpus.name, folder,
+                "; ".join(splits[s].describe() for s in SPLITS))
     return corpus
 
 
@@ -264,21 +260,48 @@ def read_text_file(path: str | os.PathLike,
     """
     check_split_fractions(tuple(split_fractions))
     file = Path(path)
-    lines = _sentences(read_text(file, "corpus", holds=SENTENCE_PER_LINE).split("\n"))
-    b1, b2 = split_bounds(len(lines), split_fractions)
-    counts = (b1, b2 - b1, len(lines) - b2)
+    check_text_file(file, "corpus", holds=SENTENCE_PER_LINE, needs_text=False)
+    n = _count_non_blank(file)
+    b1, b2 = split_bounds(n, split_fractions)
+    counts = (b1, b2 - b1, n - b2)
     shown = ",".join(f"{f:g}" for f in split_fractions)
     if min(counts) == 0:
         raise DataError(
-            f"corpus file {file} has {len(lines)} non-blank lines, too few to cut by "
+            f"corpus file {file} has {n} non-blank lines, too few to cut by "
             f"--split-fractions {shown} (train/valid/test would get "
             f"{'/'.join(map(str, counts))} lines); it needs at least "
             f"{_lines_needed(split_fractions)} lines, or give larger valid/test fractions")
-    corpus = Corpus(name=Path(os.path.abspath(file)).name, train=lines[:b1],
-                    valid=lines[b1:b2], test=lines[b2:])
+    size = file.stat().st_size
+    start = TextSplit.of_files([file]).segments[0].start  # after a byte-order mark
+    o1, o2 = _offsets_of_lines(file, (b1, b2))
+    splits = {name: TextSplit((Segment(os.fspath(file), a, b, size),))
+              for name, (a, b) in zip(SPLITS, ((start, o1), (o1, o2), (o2, size)))}
+    corpus = Corpus(name=Path(os.path.abspath(file)).name, **splits)
     logger.info("Split corpus file %s by fractions %s: %s lines (train/valid/test)", file,
                 shown, "/".join(map(str, counts)))
     return corpus
+
+
+def _count_non_blank(file: Path) -> int:
+    """Non-blank lines of ``file``: one pass, a line at a time (memory stays flat)."""
+    with open(file, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+def _offsets_of_lines(file: Path, indices: tuple[int, ...]) -> list[int]:
+    """Byte offsets where non-blank lines ``indices`` (ascending) start."""
+    offsets, wanted, position, k = [], list(indices), 0, 0
+    with open(file, "rb") as f:
+        for line in f:
+            if wanted and line.strip():
+                if k == wanted[0]:
+                    offsets.append(position)
+                    wanted.pop(0)
+                k += 1
+            if not wanted:
+                break
+            position += len(line)
+    return offsets + [position] * len(wanted)
 
 
 def resolve_named(name: str, *, input_dir: str | os.PathLike = "input") -> Corpus:
@@ -408,10 +431,12 @@ def load_tfds(name: str, *, data_dir: str | None = None) -> Corpus:
 
     builder = _tfds_builder(tfds, name, data_dir)
     _check_text_feature(tfds, builder, name)
-    splits = {split: _tfds_sentences(tfds, builder, name, split, data_dir) for split in SPLITS}
-    corpus = Corpus(name=f"{TFDS_PREFIX}{name}", **splits)
+    sentences = {split: _tfds_sentences(tfds, builder, name, split, data_dir)
+                 for split in SPLITS}
     logger.info("Read TFDS corpus %s: %s sentences (train/valid/test)", name,
-                "/".join(str(len(splits[s])) for s in SPLITS))
+                "/".join(str(len(sentences[s])) for s in SPLITS))
+    # Written to a temporary folder once, then streamed like any corpus.
+    corpus = Corpus(name=f"{TFDS_PREFIX}{name}", **write_splits(sentences))
     return corpus
 
 

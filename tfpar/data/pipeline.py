@@ -41,6 +41,7 @@ would hold no rows holds one row of padding instead (zero tokens, zero gradient)
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Sequence
 
@@ -49,8 +50,9 @@ import tensorflow as tf
 
 from tfpar.config import DataConfig
 from tfpar.errors import DataError
+from tfpar.data.text import TextSplit, cut, iterate_lines, line_batches, write_splits
 from tfpar.data.tokenize import split_tokens
-from tfpar.data.vocab import EOS_ID, PAD_ID, Vocab
+from tfpar.data.vocab import EOS_ID, PAD_ID, Vocab, train_counts
 
 log = logging.getLogger(__name__)
 AUTOTUNE = tf.data.AUTOTUNE
@@ -74,23 +76,23 @@ def sentence_lengths(lines: Sequence[str], *, tokenizer: str) -> np.ndarray:
     return np.concatenate([np.zeros([0], np.int64), *lengths]).astype(np.int64) + 1
 
 
-def stream_ids(lines: Sequence[str], vocab: Vocab) -> tf.Tensor:
-    """The whole split as one [N] int32 stream: each line's ids then ``<eos>``."""
-    ids = tokenize(tf.constant(list(lines)), vocab.lookup_table(), tokenizer=vocab.tokenizer)
-    eos = tf.fill([ids.nrows(), 1], EOS_ID)
-    return tf.concat([ids, tf.RaggedTensor.from_tensor(eos)], axis=1).flat_values
-
-
 # ----------------------------------------------------------------------------- bucketing
 def bucket_boundaries(lengths: np.ndarray, max_length: int, max_pad_fraction: float) -> list[int]:
     """Chooses bucket boundaries from a length histogram.
+
+    ``lengths`` [L]: ``lengths[n]`` sentences have ``n`` predicted tokens
+    (:func:`length_histogram`); longer than ``max_length`` counts as ``max_length``.
 
     Greedy from the shortest length: a bucket grows while padding every example in it
     to the bucket's longest length would waste at most ``max_pad_fraction`` of its
     tokens. Returns the exclusive upper bounds expected by
     ``tf.data.Dataset.bucket_by_sequence_length`` (the last bucket is open-ended).
     """
-    hist = np.bincount(np.minimum(lengths, max_length), minlength=max_length + 1)
+    lengths = np.asarray(lengths, np.int64)
+    hist = np.zeros([max_length + 1], np.int64)
+    upto = min(len(lengths), max_length)
+    hist[:upto] = lengths[:upto]
+    hist[max_length] += lengths[max_length:].sum()  # longer ones are cut to max_length
     boundaries, start = [], 1
     while start <= max_length:
         end = start
@@ -151,64 +153,98 @@ def _pad_row(value: tf.Tensor) -> tf.Tensor:
     return tf.fill(shape, tf.constant(PAD_ID, value.dtype))
 
 
-def per_replica(global_batches: tf.data.Dataset, input_context=None) -> tf.data.Dataset:
-    """Turns a dataset of global batches into this pipeline's per-replica slices.
+def per_replica(batches: tf.data.Dataset, input_context=None, *,
+                rows: tuple[int, int] | None = None) -> tf.data.Dataset:
+    """Turns a dataset of batches into this pipeline's per-replica slices.
 
-    With ``input_context`` None (one device) the global batches pass through unchanged.
+    ``rows`` None: the batches are global and each local replica gets its
+    ``shard_bounds`` rows. ``rows = (first, n)``: the batches hold only this pipeline's
+    ``n`` rows of the global batch, starting at global row ``first`` (a sentence-mode
+    pipeline reading its own lines); its local replicas share them by ``shard_bounds``.
+    With ``input_context`` None (one device) the batches pass through unchanged.
     """
     if input_context is None or input_context.num_replicas_in_sync == 1:
-        return global_batches
+        return batches
     total = input_context.num_replicas_in_sync
     local = total // input_context.num_input_pipelines
     first = input_context.input_pipeline_id * local
 
-    def slices(batch):
-        return tf.data.Dataset.range(local).map(
-            lambda i: shard_rows(batch, total, tf.cast(first + i, tf.int32))
-        )
+    if rows is None:
+        def slices(batch):
+            return tf.data.Dataset.range(local).map(
+                lambda i: shard_rows(batch, total, tf.cast(first + i, tf.int32)))
+    else:
+        def slices(batch):
+            n = tf.shape(batch["targets"])[0]
+            batch = {**batch, "rows": rows[0] + tf.range(n, dtype=tf.int32)}
+            return tf.data.Dataset.range(local).map(
+                lambda i: shard_rows(batch, local, tf.cast(i, tf.int32)))
 
-    return global_batches.flat_map(slices)
+    return batches.flat_map(slices)
 
 
 # ----------------------------------------------------------------------------- datasets
 class InputData:
-    """Builds the datasets of every split for one corpus and vocabulary.
+    """Builds the datasets of every split of one corpus, streamed from its files.
 
-    The object holds only plain data (lines, boundaries, the vocabulary); each call
-    builds a fresh ``tf.data`` graph, so it can be called inside a
-    ``distribute_datasets_from_function`` dataset function on any worker.
+    The object holds only plain data (each split's file segments, the bucket boundaries,
+    the vocabulary); each call builds a fresh ``tf.data`` graph, so it can be called inside
+    a ``distribute_datasets_from_function`` dataset function on any worker. Nothing holds a
+    split in memory: host memory does not grow with the corpus.
+
+    Args:
+      splits: split name -> :class:`tfpar.data.text.TextSplit` (or a list of lines, which
+        is written to a temporary file first: the synthetic corpus and tests).
+      vocab: the vocabulary; its tokenizer must be ``config.tokenizer``.
+      config: the data config (mode, bptt, max_length, shuffle_buffer, ...).
+      seed: picks each epoch's file order and shuffle.
+      lengths: [L] int64 histogram of train sentence lengths (predicted tokens per line;
+        the last bin counts every longer line), from the vocabulary pass. None: taken from
+        the first ``SAMPLE_LINES`` lines of train (a ``--vocab-file`` run has no pass).
     """
 
-    def __init__(self, splits: dict[str, list[str]], vocab: Vocab, config: DataConfig, *,
-                 seed: int = 0):
-        self.splits = splits
+    def __init__(self, splits: dict, vocab: Vocab, config: DataConfig, *, seed: int = 0,
+                 lengths: np.ndarray | None = None):
+        if any(not isinstance(v, TextSplit) for v in splits.values()):
+            lists = {k: v for k, v in splits.items() if not isinstance(v, TextSplit)}
+            splits = {**splits, **write_splits(lists)}
+        self.splits: dict[str, TextSplit] = splits
         self.vocab = vocab
         self.config = config
         self.seed = seed
-        for name, lines in splits.items():
-            if not lines:
+        for name, split in splits.items():
+            if not split.nbytes:
                 raise DataError(f"the {name} split has no sentences (only blank lines or empty)")
         if vocab.tokenizer != config.tokenizer:
             raise DataError(f"the vocabulary was built with the {vocab.tokenizer!r} tokenizer "
                             f"but the data config asks for {config.tokenizer!r}; build it "
                             "with the config's tokenizer")
-        train_lengths = sentence_lengths(splits["train"], tokenizer=vocab.tokenizer)
-        self.boundaries = bucket_boundaries(
-            train_lengths, config.max_length, config.max_pad_fraction
-        )
-        too_long = int((train_lengths > config.max_length).sum())
+        if lengths is None:
+            sample = itertools.islice(iterate_lines(splits["train"]), SAMPLE_LINES)
+            lengths = train_counts(sample, vocab.tokenizer).lengths
+            self.lengths_from = f"the first {SAMPLE_LINES:,} train lines"
+        else:
+            self.lengths_from = "the vocabulary pass"
+        if lengths[1:].sum() == 0:
+            raise DataError("the train split has no sentences (only blank lines or empty)")
+        self.boundaries = bucket_boundaries(lengths, config.max_length, config.max_pad_fraction)
+        too_long = int(lengths[config.max_length + 1:].sum())
         if too_long and config.mode == "sentence":
             verb = "split into pieces" if config.long_sentences == "split" else "truncated"
-            log.info("%d train sentences are longer than max-length %d tokens and are %s",
-                     too_long, config.max_length, verb)
-        self._streams: dict[str, tf.Tensor] = {}
+            log.info("%d train sentences (in %s) are longer than max-length %d tokens and "
+                     "are %s", too_long, self.lengths_from, config.max_length, verb)
+
+    def first_line(self, split: str) -> str:
+        """The first non-blank line of ``split`` (for text samples)."""
+        return next(iterate_lines(self.splits[split]))
 
     # -- sentence mode
-    def _examples(self, lines: list[str]) -> tf.data.Dataset:
+    def _examples(self, lines: tf.data.Dataset) -> tf.data.Dataset:
+        """[k] line batches → examples {"inputs": [n], "targets": [n]}, one per line
+        (or per max_length piece of a long line)."""
         table = self.vocab.lookup_table()
         max_len = self.config.max_length
         split_long = self.config.long_sentences == "split"
-
         tokenizer = self.vocab.tokenizer
 
         def encode(line_batch):
@@ -218,8 +254,7 @@ class InputData:
             full = tf.concat([eos, ids, eos], axis=1)
             return {"inputs": full[:, :-1], "targets": full[:, 1:]}
 
-        ds = tf.data.Dataset.from_tensor_slices(lines).batch(1024)
-        ds = ds.map(encode, num_parallel_calls=AUTOTUNE).unbatch()
+        ds = lines.map(encode, num_parallel_calls=AUTOTUNE).unbatch()
 
         def pieces(ex):
             if split_long:
@@ -230,44 +265,96 @@ class InputData:
 
         return ds.flat_map(pieces)
 
-    def sentence_batches(self, split: str, batch_size: int, *, shuffle: bool, epoch: int = 0
-                         ) -> tf.data.Dataset:
-        """Global batches of ``split`` in sentence mode (bucketed, padded)."""
-        lines = self.splits[split]
+    def pipeline_lines(self, split: str, *, shuffle: bool, epoch: int, pipelines: int = 1,
+                       index: int = 0) -> tf.data.Dataset:
+        """[k] line batches of ``split`` that input pipeline ``index`` of ``pipelines``
+        reads (see :func:`own_share`); shuffled by (seed, epoch) when ``shuffle``."""
+        segments = self.splits[split].segments
         if shuffle:
-            order = np.random.default_rng([self.seed, epoch]).permutation(len(lines))
-            lines = [lines[i] for i in order]
-        ds = self._examples(lines)
-        ds = ds.bucket_by_sequence_length(
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(segments))
+            segments = tuple(segments[i] for i in order)
+        mine, line_shard = own_share(segments, pipelines, index)
+        ds = line_batches(TextSplit(mine), interleave=shuffle)
+        if line_shard or shuffle:
+            ds = ds.unbatch()
+            if line_shard:
+                ds = ds.shard(pipelines, index)
+            if shuffle:
+                ds = ds.shuffle(self.config.shuffle_buffer, seed=_seed(self.seed, epoch),
+                                reshuffle_each_iteration=False)
+            ds = ds.batch(1024)
+        return ds
+
+    def sentence_batches(self, split: str, batch_size: int, *, shuffle: bool, epoch: int = 0,
+                         pipelines: int = 1, index: int = 0) -> tf.data.Dataset:
+        """Batches of ``batch_size`` rows of ``split`` in sentence mode (bucketed, padded),
+        from the lines pipeline ``index`` of ``pipelines`` reads."""
+        ds = self._examples(self.pipeline_lines(split, shuffle=shuffle, epoch=epoch,
+                                                pipelines=pipelines, index=index))
+        return ds.bucket_by_sequence_length(
             lambda ex: tf.shape(ex["targets"])[0],
             bucket_boundaries=self.boundaries,
             bucket_batch_sizes=[batch_size] * (len(self.boundaries) + 1),
             padding_values={"inputs": PAD_ID, "targets": PAD_ID},
         )
-        return ds
 
     # -- stream mode
     def stream_batches(self, split: str, batch_size: int) -> tf.data.Dataset:
-        """Global batches of ``split`` in stream mode (contiguous columns, bptt windows)."""
-        if split not in self._streams:
-            self._streams[split] = stream_ids(self.splits[split], self.vocab)
-        stream = self._streams[split]
-        columns = int(stream.shape[0]) // batch_size
-        if columns < 2:
-            raise DataError(
-                f"the {split} split has {int(stream.shape[0])} tokens, too few for "
-                f"{batch_size} stream columns; use a smaller --batch-size"
-            )
-        data = tf.reshape(stream[: batch_size * columns], [batch_size, columns])
+        """Global batches of ``split`` in stream mode: ``batch_size`` rows, each a
+        contiguous byte range of the split (``tfpar.data.text.cut``) read as one token
+        stream, ``bptt`` steps at a time (see the module docstring)."""
         bptt = self.config.bptt
-        starts = tf.range(0, columns - 1, bptt)
+        rows = cut(self.splits[split], batch_size)
+        pad = tf.fill([bptt + 1], tf.constant(PAD_ID, tf.int32))
+        padded = [
+            self._row_windows(row).map(lambda w: (w, True)).concatenate(
+                tf.data.Dataset.from_tensors((pad, False)).repeat())
+            for row in rows
+        ]
+        ds = tf.data.Dataset.zip(tuple(padded)).take_while(
+            lambda *rows_: tf.reduce_any(tf.stack([alive for _, alive in rows_])))
 
-        def window(start):
-            size = tf.minimum(bptt, columns - 1 - start)
-            return {"inputs": data[:, start:start + size],
-                    "targets": data[:, start + 1:start + 1 + size]}
+        def window(*rows_):
+            w = tf.stack([ids for ids, _ in rows_])  # [B, bptt + 1]
+            # The last windows of a row are shorter: trailing columns of padding go.
+            length = tf.reduce_max(tf.reduce_sum(tf.cast(w != PAD_ID, tf.int32), axis=1))
+            return {"inputs": w[:, :length - 1], "targets": w[:, 1:length]}
 
-        return tf.data.Dataset.from_tensor_slices(starts).map(window)
+        return ds.map(window)
+
+    def _row_windows(self, row: TextSplit) -> tf.data.Dataset:
+        """One row's token stream (each line's ids then ``<eos>``) as [bptt + 1] windows
+        overlapping by one token; the last is padded with ``<pad>``. A row of fewer than
+        two tokens has none."""
+        bptt = self.config.bptt
+        table = self.vocab.lookup_table()
+        tokenizer = self.vocab.tokenizer
+
+        def ids(lines):
+            line_ids = tokenize(lines, table, tokenizer=tokenizer)
+            eos = tf.RaggedTensor.from_tensor(tf.fill([line_ids.nrows(), 1], EOS_ID))
+            return tf.concat([line_ids, eos], axis=1).flat_values, False
+
+        chunks = line_batches(row).map(ids).concatenate(
+            tf.data.Dataset.from_tensors((tf.zeros([0], tf.int32), True)))
+        columns = tf.range(bptt + 1)
+
+        def step(carry, chunk):
+            tokens, end = chunk
+            buf = tf.concat([carry, tokens], 0)
+            n = tf.size(buf)
+            k = tf.maximum(n - 1, 0) // bptt
+            full = tf.gather(buf, tf.range(k)[:, None] * bptt + columns[None, :])
+            rest = buf[k * bptt:]
+
+            def last():  # the row ends: its rest, padded, is the last window
+                tail = tf.pad(rest, [[0, bptt + 1 - tf.size(rest)]], constant_values=PAD_ID)
+                keep = tf.cast(tf.size(rest) >= 2, tf.int32)
+                return tf.zeros([0], tf.int32), tf.concat([full, tail[None, :][:keep]], 0)
+
+            return tf.cond(end, last, lambda: (rest, full))
+
+        return chunks.scan(tf.zeros([0], tf.int32), step).unbatch()
 
     # -- both
     def batches(self, split: str, *, training: bool, epoch: int = 0, skip: int = 0,
@@ -276,20 +363,71 @@ class InputData:
 
         Args:
           split: "train", "valid" or "test".
-          training: shuffle (sentence mode) with a permutation that depends on ``epoch``.
+          training: shuffle (sentence mode) by file order and a buffer that depend on
+            ``epoch``.
           epoch: selects the shuffle; the same epoch always gives the same batches.
-          skip: global batches to skip (resuming in the middle of an epoch).
+          skip: batches of this pipeline to skip (resuming in the middle of an epoch).
           input_context: ``tf.distribute.InputContext`` or None for one device.
           batch_size: global batch size.
         """
+        pipelines = input_context.num_input_pipelines if input_context is not None else 1
         if self.config.mode == "stream":
             ds = self.stream_batches(split, batch_size)
-        else:
+            rows = None
+        elif pipelines == 1:
             ds = self.sentence_batches(split, batch_size, shuffle=training, epoch=epoch)
+            rows = None
+        else:
+            # Each pipeline reads its own share of the lines and batches the rows of its
+            # replicas (see own_share): global row indices key the dropout masks.
+            index = input_context.input_pipeline_id
+            rows = pipeline_rows(batch_size, input_context)
+            ds = self.sentence_batches(split, rows[1], shuffle=training, epoch=epoch,
+                                       pipelines=pipelines, index=index)
         if skip:
             ds = ds.skip(skip)
-        ds = per_replica(ds, input_context)
+        ds = per_replica(ds, input_context, rows=rows)
         return ds.prefetch(AUTOTUNE)
+
+
+def own_share(segments: tuple, pipelines: int, index: int) -> tuple[tuple, bool]:
+    """The segments input pipeline ``index`` of ``pipelines`` reads, and whether it then
+    keeps only every ``pipelines``-th line (``line_shard``).
+
+    With at least as many segments (shard files) as pipelines, each pipeline reads its
+    own: segments ``index, index + pipelines, ...``. Otherwise every pipeline reads all of
+    them and keeps lines ``index, index + pipelines, ...``. Either way the pipelines'
+    lines are disjoint and together are the split.
+    """
+    if pipelines <= 1:
+        return segments, False
+    if len(segments) >= pipelines:
+        return segments[index::pipelines], False
+    return segments, True
+
+
+def pipeline_rows(batch_size: int, input_context) -> tuple[int, int]:
+    """(first global row, rows) of the global batch that ``input_context``'s pipeline
+    feeds: the rows of its local replicas (``shard_bounds``)."""
+    total = input_context.num_replicas_in_sync
+    local = total // input_context.num_input_pipelines
+    first = input_context.input_pipeline_id * local
+    starts = [int(r) for r in _bounds(batch_size, total)]
+    return starts[first], starts[first + local] - starts[first]
+
+
+def _bounds(rows: int, shards: int) -> list[int]:
+    base, extra = divmod(rows, shards)
+    return [k * base + min(k, extra) for k in range(shards + 1)]
+
+
+def _seed(seed: int, epoch: int) -> int:
+    """A shuffle seed for (run seed, epoch), the same in every process."""
+    return int(np.random.default_rng([seed, epoch, 1]).integers(2**31 - 1))
+
+
+# Without a vocabulary pass, bucket boundaries come from this many first train lines.
+SAMPLE_LINES = 100_000
 
 
 def _trim(ex: dict) -> dict:

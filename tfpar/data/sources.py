@@ -1,7 +1,9 @@
 """Loads the corpus a config names: the synthetic source or text (folder, file, named, TFDS).
 
-The one function the loop and the scripts call; it returns plain Python lists, so the
-input pipeline never needs to know where the text came from.
+The one function the loop and the scripts call; every split comes back as a
+``tfpar.data.text.TextSplit`` (files on disk; the generated corpus is written to a
+temporary folder first), so the input pipeline never needs to know where the text came
+from.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import dataclasses
 import logging
 
 from tfpar.config import DataConfig
+from tfpar.data.text import TextSplit, write_splits
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "valid", "test")
@@ -17,10 +20,10 @@ SPLITS = ("train", "valid", "test")
 
 @dataclasses.dataclass(frozen=True)
 class LoadedCorpus:
-    """Sentences of every split, and the exact oracle where the source has one."""
+    """Every split's files, and the exact oracle where the source has one."""
 
     name: str
-    splits: dict[str, list[str]]
+    splits: dict[str, TextSplit]
     # split -> perplexity of the generating source (synthetic data only).
     oracle_ppl: dict[str, float] | None = None
 
@@ -39,7 +42,8 @@ def load_corpus(config: DataConfig, *, seed: int = 0) -> LoadedCorpus:
             test_sentences=config.synthetic_test, seed=seed,
         )
         corpus = synthetic.generate_corpus(spec)
-        splits = {"train": corpus.train, "valid": corpus.valid, "test": corpus.test}
+        splits = write_splits({"train": corpus.train, "valid": corpus.valid,
+                               "test": corpus.test})
         oracle = {s: corpus.oracle_perplexity(s) for s in SPLITS}
         return LoadedCorpus("synthetic", splits, oracle)
     from tfpar.data import corpora

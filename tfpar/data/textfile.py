@@ -28,8 +28,47 @@ def read_text(file: Path, what: str, *, holds: str) -> str:
     return _decode(_read_bytes(file, what, holds), file, what, holds)
 
 
-def _read_bytes(file: Path, what: str, holds: str) -> bytes:
+# check_text_file reads files up to this size whole; of larger ones, this much.
+CHECKED_BYTES = 64 << 20
+PREFIX_BYTES = 1 << 20
+
+
+def check_text_file(file: Path, what: str, *, holds: str, needs_text: bool = True) -> None:
+    """Checks that ``file`` is UTF-8 text with at least one non-blank line, without
+    keeping it: a file up to CHECKED_BYTES is read whole, a larger one only its first
+    PREFIX_BYTES (a corpus shard of gigabytes is sniffed, not read twice).
+
+    Raises:
+      DataError: as :func:`read_text`, or (``needs_text``) ``"{what} split {file} has no
+        sentences"``.
+    """
+    size = _size(file, what, holds)
+    data = _read_bytes(file, what, holds, limit=PREFIX_BYTES if size > CHECKED_BYTES else -1)
+    if len(data) < size:
+        data = data[:data.rfind(b"\n") + 1] or data[:0]  # a character cut at the end
+    text = _decode(data, file, what, holds)
+    if needs_text and not text.strip() and len(data) >= size:
+        raise DataError(
+            f"{what} split {file} has no sentences (it is empty or holds only blank lines); "
+            f"it needs {holds}")
+
+
+def _size(file: Path, what: str, holds: str) -> int:
     try:
+        return file.stat().st_size
+    except FileNotFoundError:
+        raise DataError(
+            f"{what} file {file} does not exist; give the path of a UTF-8 text file with "
+            f"{holds}") from None
+    except OSError as e:
+        raise DataError(f"cannot read {what} file {file}: {e.strerror or e}") from None
+
+
+def _read_bytes(file: Path, what: str, holds: str, limit: int = -1) -> bytes:
+    try:
+        if limit >= 0:
+            with open(file, "rb") as f:
+                return f.read(limit)
         return file.read_bytes()
     except FileNotFoundError:
         raise DataError(

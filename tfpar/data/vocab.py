@@ -20,7 +20,6 @@ unavailable for it.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
 from pathlib import Path
@@ -29,8 +28,9 @@ from typing import Iterable
 import numpy as np
 import tensorflow as tf
 
+from tfpar.data.text import TextSplit, line_batches, non_blank
 from tfpar.data.textfile import read_text
-from tfpar.data.tokenize import join_tokens, split_tokens
+from tfpar.data.tokenize import check_tokenizer, join_tokens, split_tokens
 from tfpar.errors import DataError
 
 PAD, UNK, EOS = "<pad>", "<unk>", "<eos>"
@@ -62,16 +62,20 @@ class Vocab:
         return len(self.counts) == len(self.tokens)
 
     @classmethod
-    def build(cls, lines: Iterable[str], *, tokenizer: str = "whitespace", max_size: int = 0,
-              min_count: int = 1) -> "Vocab":
-        """Counts the tokens of ``lines`` and keeps the most frequent (at least one).
+    def build(cls, lines: Iterable[str] | TextSplit, *, tokenizer: str = "whitespace",
+              max_size: int = 0, min_count: int = 1) -> "Vocab":
+        """Counts the tokens of ``lines`` (a list, or a split streamed from its files) and
+        keeps the most frequent (at least one); see :func:`train_counts`."""
+        return cls.from_counts(train_counts(lines, tokenizer), max_size=max_size,
+                               min_count=min_count)
 
-        Tokens are counted in TF ops by :func:`tfpar.data.tokenize.split_tokens`, the
-        function training and serving split text with.
+    @classmethod
+    def from_counts(cls, counts: TrainCounts, *, max_size: int = 0,
+                    min_count: int = 1) -> "Vocab":
+        """The vocabulary of a train pass's counts.
 
         Args:
-          lines: train sentences.
-          tokenizer: one of ``tfpar.data.tokenize.TOKENIZERS``.
+          counts: from :func:`train_counts`.
           max_size: keep at most this many entries, the three specials included (0: all).
           min_count: drop words seen fewer times.
 
@@ -79,12 +83,7 @@ class Vocab:
           DataError: no word is kept (a vocabulary holds at least one besides the
             specials, as :func:`parse_tokens` requires of a file).
         """
-        lines = list(lines)
-        counter: collections.Counter[str] = collections.Counter()
-        for flat, _ in _token_batches(lines, tokenizer):
-            words, _, counts = tf.unique_with_counts(flat)
-            counter.update(dict(zip((w.decode("utf-8") for w in words.numpy()),
-                                    counts.numpy().tolist())))
+        counter = dict(counts.words)
         unk_in_text = counter.pop(UNK, 0)
         eos_in_text = counter.pop(EOS, 0)
         counter.pop(PAD, None)
@@ -100,8 +99,8 @@ class Vocab:
                 "--min-count")
         kept = set(words)
         unk_count = unk_in_text + sum(c for w, c in counter.items() if w not in kept)
-        counts = (0, unk_count, len(lines) + eos_in_text) + tuple(counter[w] for w in words)
-        return cls(tokens=SPECIALS + tuple(words), counts=counts, tokenizer=tokenizer)
+        ids = (0, unk_count, counts.lines + eos_in_text) + tuple(counter[w] for w in words)
+        return cls(tokens=SPECIALS + tuple(words), counts=ids, tokenizer=counts.tokenizer)
 
     def save(self, directory: str | os.PathLike) -> str:
         """Writes ``vocab.txt`` into ``directory`` (atomically) and returns its path."""
@@ -166,8 +165,10 @@ class Vocab:
         probs[PAD_ID] = 0.0
         table = self.lookup_table()
         total, tokens = 0.0, 0
-        for flat, rows in _token_batches(lines, self.tokenizer):
-            ids = table.lookup(flat).numpy()
+        for batch in _line_batches(lines):
+            words = split_tokens(batch, self.tokenizer)
+            ids = table.lookup(words.flat_values).numpy()
+            rows = int(words.nrows())
             # Every line also predicts one <eos>.
             total -= float(np.log(probs[ids]).sum()) + rows * float(np.log(probs[EOS_ID]))
             tokens += len(ids) + rows
@@ -228,9 +229,87 @@ def first_difference(a: Vocab, b: Vocab) -> str:
     return ""
 
 
-def _token_batches(lines: Iterable[str], tokenizer: str, batch: int = 4096):
-    """``(tokens [M] string, rows)`` of every ``batch`` lines, split in TF ops."""
-    lines = list(lines)
-    for start in range(0, len(lines), batch):
-        chunk = lines[start:start + batch]
-        yield split_tokens(tf.constant(chunk, tf.string), tokenizer).flat_values, len(chunk)
+# ----------------------------------------------------------------------------- the train pass
+# Length histograms have this many bins; the last counts every longer line.
+HISTOGRAM_BINS = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainCounts:
+    """What one pass over the train split counts."""
+
+    # token -> count (specials included as they occur in the text).
+    words: dict[str, int]
+    # non-blank lines.
+    lines: int
+    # [HISTOGRAM_BINS] int64: lengths[n] lines predict n tokens (their tokens + <eos>);
+    # the last bin counts every longer line.
+    lengths: np.ndarray
+    tokenizer: str
+
+
+def length_histogram(lengths: np.ndarray) -> np.ndarray:
+    """[N] lengths → [HISTOGRAM_BINS] counts, the last bin counting every longer one."""
+    return np.bincount(np.minimum(np.asarray(lengths, np.int64), HISTOGRAM_BINS - 1),
+                       minlength=HISTOGRAM_BINS).astype(np.int64)
+
+
+def train_counts(lines: Iterable[str] | TextSplit, tokenizer: str, *,
+                 progress: bool = False) -> TrainCounts:
+    """One pass over ``lines``: every token's count and the length histogram, in TF ops.
+
+    ``lines`` is a :class:`tfpar.data.text.TextSplit` (streamed from its files, batch by
+    batch; host memory holds the counts, not the text) or an iterable of strings. The
+    counts are kept in a ``tf.lookup`` hash table, so Python never sees a token before the
+    end. ``progress``: a progress bar over the split's bytes (on stderr).
+    """
+    check_tokenizer(tokenizer)
+    table = tf.lookup.experimental.MutableHashTable(tf.string, tf.int64, default_value=0)
+    hist = tf.Variable(tf.zeros([HISTOGRAM_BINS], tf.int64), trainable=False)
+    lines_seen = tf.Variable(tf.constant(0, tf.int64), trainable=False)
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string)])
+    def add(batch):
+        words = split_tokens(batch, tokenizer)
+        unique, _, counts = tf.unique_with_counts(words.flat_values, out_idx=tf.int64)
+        table.insert(unique, table.lookup(unique) + counts)
+        lengths = tf.minimum(words.row_lengths() + 1, HISTOGRAM_BINS - 1)
+        hist.assign_add(tf.math.bincount(lengths, minlength=HISTOGRAM_BINS,
+                                         maxlength=HISTOGRAM_BINS, dtype=tf.int64))
+        lines_seen.assign_add(tf.size(batch, tf.int64))
+        return tf.reduce_sum(tf.cast(tf.strings.length(batch), tf.int64)) + tf.size(batch, tf.int64)
+
+    bar = None
+    if isinstance(lines, TextSplit):
+        if progress:
+            import keras
+
+            bar = keras.utils.Progbar(lines.nbytes, unit_name="byte")
+        for batch in _line_batches(lines):
+            done = add(batch)
+            if bar is not None:
+                bar.add(int(done))
+    else:
+        for batch in _line_batches(lines):
+            add(batch)
+    keys, values = table.export()
+    words = dict(zip((k.decode("utf-8") for k in keys.numpy()), values.numpy().tolist()))
+    return TrainCounts(words=words, lines=int(lines_seen.numpy()),
+                       lengths=hist.numpy(), tokenizer=tokenizer)
+
+
+def _line_batches(lines, batch: int = 4096):
+    """[k] string tensors of ``lines``' stripped, non-blank lines: a TextSplit's record
+    batches, or ``batch`` strings at a time of an iterable."""
+    if isinstance(lines, TextSplit):
+        yield from line_batches(lines)
+        return
+    # Stripped and without blank lines, as a split's files are read.
+    chunk: list[str] = []
+    for line in lines:
+        chunk.append(line)
+        if len(chunk) == batch:
+            yield non_blank(tf.constant(chunk, tf.string))
+            chunk = []
+    if chunk:
+        yield non_blank(tf.constant(chunk, tf.string))

@@ -104,6 +104,9 @@ def add_data_flags(p: argparse.ArgumentParser) -> None:
                    help="split | truncate sentences longer than --max-length")
     g.add_argument("--max-pad-fraction", type=float, default=0.02,
                    help="bucket boundaries keep expected padding below this share")
+    g.add_argument("--shuffle-buffer", type=int, default=10_000, metavar="LINES",
+                   help="sentence mode: each epoch shuffles the shard order, then lines "
+                        "through a buffer of this many lines (memory stays bounded)")
     g.add_argument("--synthetic-sentences", default="20000,2000,2000",
                    help="synthetic corpus size: train,valid,test sentences")
 
@@ -266,7 +269,8 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
             bptt=a.bptt, vocab_size=a.vocab_size, min_count=a.min_count,
             vocab_file=a.vocab_file,
             max_length=a.max_length, long_sentences=a.long_sentences,
-            max_pad_fraction=a.max_pad_fraction, synthetic_train=s_train,
+            max_pad_fraction=a.max_pad_fraction, shuffle_buffer=a.shuffle_buffer,
+            synthetic_train=s_train,
             synthetic_valid=s_valid, synthetic_test=s_test,
         ),
         model=cfg.ModelConfig(

@@ -30,7 +30,7 @@ import tensorflow as tf
 from tfpar.config import Config
 from tfpar.data.pipeline import InputData
 from tfpar.data.sources import LoadedCorpus, load_corpus
-from tfpar.data.vocab import Vocab
+from tfpar.data.vocab import Vocab, train_counts
 from tfpar.errors import ConfigError
 from tfpar.objective.losses import perplexity
 from tfpar.parallel import ASYNCHRONOUS, build_strategy, parameter_server
@@ -54,18 +54,23 @@ def check_batch_sizes(config: Config, num_replicas: int) -> None:
             )
 
 
-def load_vocab(config: Config, corpus: LoadedCorpus) -> Vocab:
-    """The run's vocabulary: read from ``--vocab-file`` (used whole, no train counts) or
-    built from the train split. Made before the model dir, so a bad file leaves nothing
-    on disk; ``checkpoints.open_model_dir`` checks it against a resumed run's and saves it."""
+def load_vocab(config: Config, corpus: LoadedCorpus) -> tuple[Vocab, np.ndarray | None]:
+    """The run's vocabulary and the train length histogram of its pass: read from
+    ``--vocab-file`` (used whole, no train counts, no pass: the histogram is None) or
+    counted in one streaming pass over the train split. Made before the model dir, so a
+    bad file leaves nothing on disk; ``checkpoints.open_model_dir`` checks it against a
+    resumed run's and saves it."""
     data = config.data
     if data.vocab_file is not None:
         vocab = Vocab.load(data.vocab_file, tokenizer=data.tokenizer)
         log.info("vocabulary: %d entries read from %s; it has no train counts, so "
                  "unigram_valid_ppl is not reported", len(vocab), data.vocab_file)
-        return vocab
-    return Vocab.build(corpus.splits["train"], tokenizer=data.tokenizer,
-                       max_size=data.vocab_size, min_count=data.min_count)
+        return vocab, None
+    train = corpus.splits["train"]
+    log.info("vocabulary: counting the train split (%s)", train.describe())
+    counts = train_counts(train, data.tokenizer, progress=config.run.progress)
+    return Vocab.from_counts(counts, max_size=data.vocab_size,
+                             min_count=data.min_count), counts.lengths
 
 
 def build_plugin(config: Config):
@@ -93,20 +98,24 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     started = time.time()
     corpus = load_corpus(config.data, seed=config.train.seed)
     read = time.time()
-    vocab = load_vocab(config, corpus)
+    vocab, lengths = load_vocab(config, corpus)
     timings = {"corpus_seconds": read - started, "vocab_seconds": time.time() - read}
     with checkpoints.open_model_dir(config, plugin.is_chief, vocab=vocab) as model_dir:
-        return _train(config, plugin, model_dir, corpus=corpus, vocab=vocab, timings=timings)
+        return _train(config, plugin, model_dir, corpus=corpus, vocab=vocab, lengths=lengths,
+                      timings=timings)
 
 
 def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
-           vocab: Vocab, timings: dict[str, float]) -> dict[str, Any]:
+           vocab: Vocab, lengths, timings: dict[str, float]) -> dict[str, Any]:
     """The run itself, on ``corpus`` and ``vocab``, in a model dir this process holds;
-    ``timings`` (seconds reading the corpus and making the vocabulary) go to the metrics."""
+    ``lengths`` is the vocabulary pass's length histogram (None without one); ``timings``
+    (seconds reading the corpus and making the vocabulary) go to the metrics."""
     asynchronous = config.dist.strategy in ASYNCHRONOUS
-    data = InputData(corpus.splits, vocab, config.data, seed=config.train.seed)
-    log.info("corpus %s: %s sentences; vocabulary %d", corpus.name,
-             "/".join(str(len(corpus.splits[s])) for s in ("train", "valid", "test")), len(vocab))
+    data = InputData(corpus.splits, vocab, config.data, seed=config.train.seed,
+                     lengths=lengths)
+    log.info("corpus %s: %s (train/valid/test); vocabulary %d", corpus.name,
+             "; ".join(corpus.splits[s].describe() for s in ("train", "valid", "test")),
+             len(vocab))
 
     state = build_train_state(plugin.scope(), config.model, len(vocab), seed=config.train.seed,
                               make_optimizer=optimizer_factory(config, plugin.num_replicas),

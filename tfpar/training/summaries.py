@@ -302,7 +302,7 @@ class EpochInspector:
         greedy continuation of the first words of the first valid sentence."""
         drawn = self.sampler([""] * count, max_tokens=SAMPLE_TOKENS, temperature=1.0,
                              seed=seed)
-        prompt = " ".join(self.data.splits["valid"][0].split()[:3])
+        prompt = " ".join(self.data.first_line("valid").split()[:3])
         greedy = self.sampler([prompt], max_tokens=SAMPLE_TOKENS, temperature=0.0)[0]
         return [f"sample {i + 1}: {t}" for i, t in enumerate(drawn)] + [
             f"greedy: [{prompt}] {greedy}"]

@@ -214,9 +214,7 @@ def in_memory_twin(contender: TfparContender, steps: int) -> TfparContender:
 
 
 def keras_baseline(setup: Setup) -> KerasContender:
-    from tfpar.data.pipeline import stream_ids
-
-    stream = stream_ids(setup.splits["train"], setup.vocab).numpy()
+    stream = setup.vocab_ids("train")
     x, y = fixed_windows(stream, setup.spec.bptt)
     return KerasContender(setup.spec, len(setup.vocab), x, y)
 

@@ -225,9 +225,8 @@ def padding(setup: Setup) -> dict[str, float]:
 
     data, size = setup.sentence_data, setup.spec.batch_size
     real_b, slots_b = count_tokens(data.batches("train", training=True, epoch=0, batch_size=size))
-    lines = data.splits["train"]
-    order = np.random.default_rng([data.seed, 0]).permutation(len(lines))
-    examples = data._examples([lines[i] for i in order])  # the very same examples, unbucketed
+    # The very same examples, unbucketed.
+    examples = data._examples(data.pipeline_lines("train", shuffle=True, epoch=0))
     naive = examples.padded_batch(size, padding_values={"inputs": PAD_ID, "targets": PAD_ID})
     real_n, slots_n = count_tokens(naive.prefetch(tf.data.AUTOTUNE))
     assert real_n == real_b, (real_n, real_b)  # same tokens, only the padding differs

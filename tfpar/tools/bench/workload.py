@@ -24,6 +24,23 @@ class Setup:
     stream_data: Any  # InputData in stream mode
     sentence_data: Any  # InputData in sentence mode
 
+    def vocab_ids(self, split: str):
+        """[N] int32 numpy: ``split`` as one token stream (each line's ids, then
+        ``<eos>``), for the plain-Keras baseline that trains from arrays in memory."""
+        import numpy as np
+        import tensorflow as tf
+
+        from tfpar.data.pipeline import tokenize
+        from tfpar.data.text import line_batches
+        from tfpar.data.vocab import EOS_ID
+
+        table, parts = self.vocab.lookup_table(), [np.zeros([0], np.int32)]
+        for lines in line_batches(self.splits[split]):
+            ids = tokenize(lines, table, tokenizer=self.vocab.tokenizer)
+            eos = tf.RaggedTensor.from_tensor(tf.fill([ids.nrows(), 1], EOS_ID))
+            parts.append(tf.concat([ids, eos], axis=1).flat_values.numpy())
+        return np.concatenate(parts)
+
 
 def load_setup(spec: BenchSpec) -> Setup:
     """Reads (or generates) the corpus and builds the vocabulary and the input data."""
