@@ -118,6 +118,34 @@ KNOWN_CORPORA: dict[str, KnownCorpus] = {
 ALIASES = {"wikitext2": "wikitext-2"}
 
 
+@dataclasses.dataclass(frozen=True)
+class KnownArchive:
+    """A corpus published as one archive, which ``scripts/download_data.py`` unpacks."""
+
+    # Canonical name, also the folder name under input/.
+    name: str
+    # The archive's file name on the server and while it is downloaded.
+    filename: str
+    # sha256 of the archive's bytes; its source is given beside each entry.
+    sha256: str
+    # The archive's size in bytes, for the download's progress lines.
+    size: int
+
+
+# Corpora that download as one archive; scripts/download_data.py verifies them against
+# this table (its tests swap in a tiny archive through this dict). Their layouts are
+# read by tfpar.data.layouts.
+KNOWN_ARCHIVES: dict[str, KnownArchive] = {
+    # The One Billion Word Benchmark, release r13output, from
+    # http://www.statmt.org/lm-benchmark/. The sha256 and size are those TensorFlow
+    # Datasets pins for this URL (tensorflow/datasets, url_checksums/lm1b.txt); tfpar has
+    # not downloaded the archive to check them, but every download is checked against them.
+    "lm1b": KnownArchive(
+        "lm1b", "1-billion-word-language-modeling-benchmark-r13output.tar.gz",
+        "01ba60381110baf7f189dfd2b8374de371e8c9a340835793f190bdae9e90a34e", 1_792_209_805),
+}
+
+
 def canonical_name(name: str) -> str | None:
     """Returns the canonical known-corpus name for ``name`` or an alias, else None."""
     name = ALIASES.get(name, name)

@@ -56,6 +56,7 @@ LM1B_HELDOUT_FOLDER = "heldout-monolingual.tokenized.shuffled"
 LM1B_TRAIN_SHARD = re.compile(r"news\.en-(\d{5})-of-00100")
 LM1B_HELDOUT_SHARD = re.compile(r"news\.en\.heldout-(\d{5})-of-00050")
 LM1B_RELEASED_TRAIN_SHARDS = range(1, 100)
+LM1B_RELEASED_HELDOUT_SHARDS = range(50)
 # Which held-out shard is which split (see the module docstring for why).
 LM1B_HELDOUT_SPLITS = {"valid": 1, "test": 0}
 
