@@ -222,6 +222,11 @@ def fetch_resumable(url: str, dest: Path, sha256: str, *, size: int, timeout: fl
     """
     part = dest.with_name(dest.name + ".part")
     offset = part.stat().st_size if part.is_file() else 0
+    if offset and offset == size and sha256_of(part) == sha256:
+        # A run stopped between the last byte and the rename.
+        os.chmod(part, 0o644)
+        os.replace(part, dest)
+        return
     response = _open(url, offset, timeout)
     if response is None or (offset and response.status != 206):
         if response is not None:

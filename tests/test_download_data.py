@@ -415,6 +415,14 @@ def test_lm1b_part_restarts_when_the_server_cannot_resume(tiny_lm1b, tmp_path, c
     assert _tree(input_dir) == [f"lm1b/{name}" for name in sorted(_shard_names())]
 
 
+def test_lm1b_complete_part_is_not_downloaded_again(tiny_lm1b, tmp_path, capsys):
+    _, base_url, requests, data = tiny_lm1b
+    (tmp_path / f"{LM1B_NAME}.part").write_bytes(data)
+    code, out, _ = _run(capsys, "lm1b", "--base-url", base_url, "--input-dir", str(tmp_path))
+    assert (code, requests) == (0, [])
+    assert out.startswith("lm1b: unpacked 149 shards")
+
+
 def test_lm1b_archive_without_every_shard_leaves_no_folder(server, tmp_path, monkeypatch,
                                                            capsys):
     served, base_url, _ = server

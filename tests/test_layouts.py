@@ -124,7 +124,8 @@ def test_unlistable_folder(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Path, "iterdir", refuse)
     with pytest.raises(DataError, match=rf"^cannot read corpus folder {re.escape(str(tmp_path))}: "
-                                        r"permission denied; make it readable \(e\.g\. chmod a\+rx"):
+                                        r"permission denied; make it readable "
+                                        r"\(e\.g\. chmod a\+rx"):
         layouts.find_split_files(tmp_path)
 
 
@@ -311,7 +312,8 @@ def test_lm1b_missing_heldout_folder(tmp_path):
     _lm1b(tmp_path, train=(1,), heldout=())
     with pytest.raises(DataError, match=rf"^lm1b folder {re.escape(str(tmp_path))} has "
                                         r"training-monolingual\.tokenized\.shuffled/ but no "
-                                        r"heldout-monolingual\.tokenized\.shuffled/; it needs both"):
+                                        r"heldout-monolingual\.tokenized\.shuffled/; it needs "
+                                        r"both"):
         layouts.find_split_files(tmp_path)
 
 
