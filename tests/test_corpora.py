@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tfpar.data import corpora
+from tfpar.data.text import TextSplit
 from tfpar.errors import DataError
 
 SHARED_DATA = Path(os.environ.get(
@@ -35,31 +36,33 @@ def _write_corpus(folder: Path, pattern: str, texts: dict[str, str] | None = Non
 @pytest.mark.parametrize("pattern", corpora.SPLIT_PATTERNS)
 def test_read_text_dir_recognises_each_pattern(tmp_path, pattern):
     corpus = corpora.read_text_dir(_write_corpus(tmp_path / "mine", pattern))
-    assert corpus == corpora.Corpus("mine", train=["a b c", "d e"], valid=["a"], test=["b c"])
+    assert corpus.name == "mine"
+    assert [corpus.lines(s) for s in corpora.SPLITS] == [["a b c", "d e"], ["a"], ["b c"]]
 
 
 def test_first_pattern_with_a_train_file_wins(tmp_path):
     _write_corpus(tmp_path, "{}.txt", {"train": "plain\n", "valid": "v\n", "test": "t\n"})
     _write_corpus(tmp_path, "ptb.{}.txt", {"train": "ptb\n", "valid": "v\n", "test": "t\n"})
-    assert corpora.read_text_dir(tmp_path).train == ["ptb"]
+    assert corpora.read_text_dir(tmp_path).lines("train") == ["ptb"]
 
 
 def test_blank_lines_skipped_and_lines_stripped(tmp_path):
     text = "\n  \n\tone two \r\n\n three\n \t \nfour"  # CRLF, tabs, no final newline
     _write_corpus(tmp_path, "{}.txt", {"train": text, "valid": "v\n", "test": "t\n"})
-    assert corpora.read_text_dir(tmp_path).train == ["one two", "three", "four"]
+    assert corpora.read_text_dir(tmp_path).lines("train") == ["one two", "three", "four"]
 
 
 def test_utf8_and_byte_order_mark(tmp_path):
     _write_corpus(tmp_path, "{}.txt", {"train": "\ufeffcafé naïve\n", "valid": "ü\n",
                                        "test": "t\n"})
     corpus = corpora.read_text_dir(tmp_path)
-    assert corpus.train == ["café naïve"]
-    assert corpus.valid == ["ü"]
+    assert corpus.lines("train") == ["café naïve"]
+    assert corpus.lines("valid") == ["ü"]
 
 
 def test_repr_does_not_print_sentences():
-    assert repr(corpora.Corpus("x", ["secret"], ["v"], ["t"])) == "Corpus(name='x')"
+    split = TextSplit.of_files([])
+    assert repr(corpora.Corpus("x", split, split, split)) == "Corpus(name='x')"
 
 
 # --- read_text_dir: errors --------------------------------------------------------------
@@ -164,7 +167,7 @@ def test_resolve_named_finds_input_subfolder(tmp_path, name, folder, pattern):
     _write_corpus(tmp_path / folder, pattern)
     corpus = corpora.resolve_named(name, input_dir=tmp_path)
     assert corpus.name == folder
-    assert corpus.test == ["b c"]
+    assert corpus.lines("test") == ["b c"]
 
 
 def test_resolve_named_missing_says_how_to_download(tmp_path):
@@ -231,18 +234,18 @@ def test_known_corpora_table_matches_patterns():
 def test_real_ptb():
     corpus = corpora.load_text_corpus("ptb", input_dir=_shared("ptb").parent)
     # The shared README's line counts; PTB has no blank lines.
-    assert (len(corpus.train), len(corpus.valid), len(corpus.test)) == (42068, 3370, 3761)
-    assert sum(len(s.split()) for s in corpus.train) == 887521
-    assert corpus.train[0].split()[0] == "aer"
+    assert (len(corpus.lines("train")), len(corpus.lines("valid")), len(corpus.lines("test"))) == (42068, 3370, 3761)
+    assert sum(len(s.split()) for s in corpus.lines("train")) == 887521
+    assert corpus.lines("train")[0].split()[0] == "aer"
 
 
 def test_real_wikitext2():
     corpus = corpora.resolve_named("wikitext2", input_dir=_shared("wikitext-2").parent)
     # The shared README's lines minus its empty ones: 36,718 - 12,951 and so on.
-    assert (len(corpus.train), len(corpus.valid), len(corpus.test)) == (
+    assert (len(corpus.lines("train")), len(corpus.lines("valid")), len(corpus.lines("test"))) == (
         36718 - 12951, 3760 - 1299, 4358 - 1467)
-    assert sum(len(s.split()) for s in corpus.train) == 2051910
-    assert corpus.train[0] == "= Valkyria Chronicles III ="
+    assert sum(len(s.split()) for s in corpus.lines("train")) == 2051910
+    assert corpus.lines("train")[0] == "= Valkyria Chronicles III ="
 
 
 # --- TFDS (never touches the network) ----------------------------------------------------
@@ -257,7 +260,7 @@ def test_tfds_mock_gives_text_sentences(tfds, tmp_path):
     with tfds.testing.mock_data(num_examples=5):
         corpus = corpora.load_tfds("tiny_shakespeare", data_dir=str(tmp_path))
     assert corpus.name == "tfds:tiny_shakespeare"
-    for split in (corpus.train, corpus.valid, corpus.test):
+    for split in (corpus.lines("train"), corpus.lines("valid"), corpus.lines("test")):
         assert 1 <= len(split) <= 5
         assert all(isinstance(s, str) and s == s.strip() and s for s in split)
 
@@ -274,10 +277,10 @@ def test_tfds_splits_each_example_on_newlines(tfds, tmp_path):
 
     with tfds.testing.mock_data(as_dataset_fn=as_dataset):
         corpus = corpora.load_tfds("tiny_shakespeare", data_dir=str(tmp_path))
-    assert corpus.train == ["First Citizen:", "Before we proceed", "any further, hear me speak.",
+    assert corpus.lines("train") == ["First Citizen:", "Before we proceed", "any further, hear me speak.",
                             "All:", "Speak, speak."]
-    assert corpus.valid == ["one"]
-    assert corpus.test == ["two  words"]
+    assert corpus.lines("valid") == ["one"]
+    assert corpus.lines("test") == ["two  words"]
 
 
 def test_tfds_not_prepared_says_how_to_prepare(tfds, tmp_path):
@@ -362,8 +365,8 @@ def test_one_file_is_cut_into_contiguous_blocks_with_exact_counts(tmp_path, n, f
                                                                   counts):
     file = _write_lines(tmp_path / "all.txt", n)
     corpus = corpora.read_text_file(file, fractions)
-    assert (len(corpus.train), len(corpus.valid), len(corpus.test)) == counts
-    assert corpus.train + corpus.valid + corpus.test == [f"line {i}" for i in range(n)]
+    assert (len(corpus.lines("train")), len(corpus.lines("valid")), len(corpus.lines("test"))) == counts
+    assert corpus.lines("train") + corpus.lines("valid") + corpus.lines("test") == [f"line {i}" for i in range(n)]
     assert corpus.name == "all.txt"
 
 
@@ -372,8 +375,8 @@ def test_one_file_split_is_deterministic_and_counts_non_blank_lines(tmp_path, ca
     with caplog.at_level("INFO", logger="tfpar.data.corpora"):
         first = corpora.read_text_file(file, (0.5, 0.25, 0.25))
         second = corpora.read_text_file(file, (0.5, 0.25, 0.25))
-    assert (first.train, first.valid, first.test) == (second.train, second.valid, second.test)
-    assert first.valid[0] == "line 20" and first.test[-1] == "line 39"
+    assert (first.lines("train"), first.lines("valid"), first.lines("test")) == (second.lines("train"), second.lines("valid"), second.lines("test"))
+    assert first.lines("valid")[0] == "line 20" and first.lines("test")[-1] == "line 39"
     assert [r.getMessage() for r in caplog.records] == 2 * [
         f"Split corpus file {file} by fractions 0.5,0.25,0.25: 20/10/10 lines (train/valid/test)"]
 
@@ -381,8 +384,8 @@ def test_one_file_split_is_deterministic_and_counts_non_blank_lines(tmp_path, ca
 def test_load_text_corpus_takes_a_file_with_its_fractions(tmp_path):
     file = _write_lines(tmp_path / "all.txt", 20)
     corpus = corpora.load_text_corpus(str(file), split_fractions=(0.5, 0.3, 0.2))
-    assert (len(corpus.train), len(corpus.valid), len(corpus.test)) == (10, 6, 4)
-    assert len(corpora.load_text_corpus(str(file)).test) == 1  # default 0.9, 0.05, 0.05
+    assert (len(corpus.lines("train")), len(corpus.lines("valid")), len(corpus.lines("test"))) == (10, 6, 4)
+    assert len(corpora.load_text_corpus(str(file)).lines("test")) == 1  # default 0.9, 0.05, 0.05
 
 
 @pytest.mark.parametrize("fractions,message", [
@@ -409,7 +412,7 @@ def test_bad_split_fractions(tmp_path, fractions, message):
 def test_split_fractions_within_1e_6_of_one_are_accepted(tmp_path):
     file = _write_lines(tmp_path / "all.txt", 100)
     corpus = corpora.read_text_file(file, (0.9, 0.05, 0.0500009))
-    assert (len(corpus.train), len(corpus.valid), len(corpus.test)) == (90, 5, 5)
+    assert (len(corpus.lines("train")), len(corpus.lines("valid")), len(corpus.lines("test"))) == (90, 5, 5)
 
 
 @pytest.mark.parametrize("n,fractions,counts,needed", [
@@ -429,7 +432,7 @@ def test_a_file_too_short_for_every_split(tmp_path, n, fractions, counts, needed
         corpora.read_text_file(file, fractions)
     if n:  # the advice is right: `needed` lines are enough
         corpus = corpora.read_text_file(_write_lines(tmp_path / "enough.txt", needed), fractions)
-        assert min(len(corpus.train), len(corpus.valid), len(corpus.test)) == 1
+        assert min(len(corpus.lines("train")), len(corpus.lines("valid")), len(corpus.lines("test"))) == 1
 
 
 def test_a_binary_or_non_utf8_file(tmp_path):

@@ -1,20 +1,23 @@
 """Tests for scripts/download_data.py against a real HTTP server on 127.0.0.1."""
 
+import contextlib
 import functools
 import hashlib
 import http.server
 import importlib.util
+import io
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import threading
 from pathlib import Path
 
 import pytest
 
-from tfpar.data import corpora
+from tfpar.data import corpora, layouts
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get(
@@ -45,22 +48,31 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         super().do_GET()
 
 
-@pytest.fixture
-def server(tmp_path):
-    """Serves tmp_path/served over HTTP; yields (folder, base_url, requested paths)."""
-    served = tmp_path / "served"
-    served.mkdir()
-    requests: list[str] = []
-    handler = type("Handler", (_Handler,), {"requests": requests})
+@contextlib.contextmanager
+def _serving(served: Path, base: type = _Handler):
+    """Serves ``served`` over HTTP with a ``base`` handler; yields (base_url, requests)."""
+    requests: list = []
+    handler = type("Handler", (base,), {"requests": requests})
     httpd = http.server.ThreadingHTTPServer(
         ("127.0.0.1", 0), functools.partial(handler, directory=str(served)))
     # A short poll interval: shutdown() waits up to one interval, 0.5 s by default.
     thread = threading.Thread(target=httpd.serve_forever, args=(0.02,), daemon=True)
     thread.start()
-    yield served, f"http://127.0.0.1:{httpd.server_address[1]}/", requests
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/", requests
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+
+
+@pytest.fixture
+def server(tmp_path):
+    """Serves tmp_path/served over HTTP; yields (folder, base_url, requested paths)."""
+    served = tmp_path / "served"
+    served.mkdir()
+    with _serving(served) as (base_url, requests):
+        yield served, base_url, requests
 
 
 TINY = {"train": b" the cat sat\n the dog ran\n", "valid": b" a cat\n", "test": b" a dog\n"}
@@ -173,7 +185,8 @@ def test_help_describes_every_flag(capsys):
         download_data.main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--input-dir", "--base-url", "--timeout", "{ptb,wikitext-2,wikitext2}"):
+    for flag in ("--input-dir", "--base-url", "--timeout", "--keep-archive",
+                 "{ptb,wikitext-2,wikitext2,lm1b}"):
         assert flag in out
 
 
@@ -214,3 +227,233 @@ def test_real_ptb_files_verify(server, tmp_path, capsys):
         name = f"ptb.{split}.txt"
         assert (tmp_path / "input" / "ptb" / name).read_bytes() == (shared / name).read_bytes()
     assert "nothing to do" in _run(capsys, *args)[1]
+
+
+# --- lm1b: one archive, unpacked safely ---------------------------------------------------
+
+LM1B = layouts.LM1B_RELEASE_FOLDER
+LM1B_NAME = corpora.KNOWN_ARCHIVES["lm1b"].filename
+TRAIN_DIR, HELDOUT_DIR = layouts.LM1B_TRAIN_FOLDER, layouts.LM1B_HELDOUT_FOLDER
+
+
+def _shard_names() -> list[str]:
+    return ([f"{TRAIN_DIR}/news.en-{n:05d}-of-00100" for n in range(1, 100)]
+            + [f"{HELDOUT_DIR}/news.en.heldout-{n:05d}-of-00050" for n in range(50)])
+
+
+def _tiny_lm1b_archive(*, drop: str = "") -> bytes:
+    """A tar.gz laid out like the release, with tiny shards and members to be skipped."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        def add(name: str, data: bytes = b"", **info) -> None:
+            member = tarfile.TarInfo(name)
+            member.size = len(data)
+            for key, value in info.items():
+                setattr(member, key, value)
+            tar.addfile(member, io.BytesIO(data))
+
+        add(LM1B, type=tarfile.DIRTYPE)
+        add(f"{LM1B}/README", b"not a shard\n")
+        for name in _shard_names():
+            if name != drop:
+                add(f"{LM1B}/{name}", f"{name.rsplit('/', 1)[1]} says hi .\n".encode())
+        # Members that must not be written anywhere: traversal, absolute, links, misplaced.
+        add(f"{LM1B}/{TRAIN_DIR}/../../../evil-news.en-00001-of-00100", b"evil\n")
+        add("../evil", b"evil\n")
+        add("/tmp/tfpar-evil", b"evil\n")
+        add(f"{LM1B}/{TRAIN_DIR}/news.en-00100-of-00100", type=tarfile.SYMTYPE,
+            linkname="/etc/passwd")
+        add(f"{LM1B}/{HELDOUT_DIR}/news.en.heldout-00050-of-00050", type=tarfile.LNKTYPE,
+            linkname=f"{LM1B}/README")
+        add(f"{LM1B}/{HELDOUT_DIR}/news.en-00000-of-00100", b"not one of the 50\n")
+    return buffer.getvalue()
+
+
+def _swap_lm1b(monkeypatch, data: bytes) -> None:
+    """Makes lm1b's checksum table entry describe ``data`` (as tiny_ptb does for ptb)."""
+    monkeypatch.setitem(corpora.KNOWN_ARCHIVES, "lm1b", corpora.KnownArchive(
+        "lm1b", LM1B_NAME, hashlib.sha256(data).hexdigest(), len(data)))
+
+
+@pytest.fixture
+def tiny_lm1b(server, monkeypatch):
+    """Makes "lm1b" a tiny archive that the server holds, with a matching checksum."""
+    served, base_url, requests = server
+    data = _tiny_lm1b_archive()
+    (served / LM1B_NAME).write_bytes(data)
+    _swap_lm1b(monkeypatch, data)
+    return served, base_url, requests, data
+
+
+def _tree(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def test_lm1b_downloads_verifies_and_unpacks_only_shards(tiny_lm1b, tmp_path, capsys):
+    _, base_url, requests, _ = tiny_lm1b
+    input_dir = tmp_path / "in"
+    code, out, err = _run(capsys, "lm1b", "--base-url", base_url, "--input-dir", str(input_dir))
+    assert (code, err) == (0, "")
+    folder = input_dir / "lm1b"
+    assert out == (f"lm1b: unpacked 149 shards into {folder}; the archive's checksum "
+                   "matches\n")
+    assert requests == [f"/{LM1B_NAME}"]
+    # Only the shards, under input/lm1b/; the archive is gone; nothing escaped.
+    assert _tree(input_dir) == [f"lm1b/{name}" for name in sorted(_shard_names())]
+    assert not (tmp_path / "evil").exists() and not Path("/tmp/tfpar-evil").exists()
+    assert not list(tmp_path.glob("evil*"))
+    files = layouts.find_split_files(folder)
+    assert [len(files[s]) for s in corpora.SPLITS] == [99, 1, 1]
+    assert files["valid"][0].read_text() == "news.en.heldout-00001-of-00050 says hi .\n"
+    assert files["test"][0].read_text() == "news.en.heldout-00000-of-00050 says hi .\n"
+
+
+def test_lm1b_second_run_is_a_no_op(tiny_lm1b, tmp_path, capsys):
+    _, base_url, requests, _ = tiny_lm1b
+    args = ("lm1b", "--base-url", base_url, "--input-dir", str(tmp_path / "in"))
+    assert _run(capsys, *args)[0] == 0
+    requests.clear()
+    code, out, err = _run(capsys, *args)
+    assert (code, err, requests) == (0, "", [])
+    assert out == (f"lm1b: every shard already present in {tmp_path / 'in' / 'lm1b'}; "
+                   "nothing to do\n")
+
+
+def test_lm1b_keep_archive_is_reused(tiny_lm1b, tmp_path, capsys):
+    _, base_url, requests, data = tiny_lm1b
+    input_dir = tmp_path / "in"
+    args = ("lm1b", "--base-url", base_url, "--input-dir", str(input_dir), "--keep-archive")
+    assert _run(capsys, *args)[0] == 0
+    assert (input_dir / LM1B_NAME).read_bytes() == data
+    shutil.rmtree(input_dir / "lm1b")
+    requests.clear()
+    code, out, _ = _run(capsys, *args)
+    assert (code, requests) == (0, [])  # unpacked again from the verified archive
+    assert out.startswith("lm1b: unpacked 149 shards")
+
+
+def test_lm1b_checksum_mismatch_leaves_nothing(tiny_lm1b, tmp_path, capsys):
+    served, base_url, _, _ = tiny_lm1b
+    tampered = _tiny_lm1b_archive(drop=f"{TRAIN_DIR}/news.en-00042-of-00100")
+    (served / LM1B_NAME).write_bytes(tampered)
+    expected = corpora.KNOWN_ARCHIVES["lm1b"].sha256
+    actual = hashlib.sha256(tampered).hexdigest()
+    input_dir = tmp_path / "in"
+    code, out, err = _run(capsys, "lm1b", "--base-url", base_url, "--input-dir", str(input_dir))
+    assert (code, out) == (2, "")
+    assert err == (f"error: {LM1B_NAME} from {base_url}{LM1B_NAME} has sha256 {actual} but "
+                   f"expected {expected}; the server holds a different file, so nothing was "
+                   "saved\n")
+    assert list(input_dir.iterdir()) == []  # no archive, no .part, no lm1b/
+
+
+class _RangeHandler(_Handler):
+    """Also answers "Range: bytes=N-" with 206 and the rest of the file."""
+
+    def do_GET(self):
+        spec = self.headers.get("Range")
+        self.requests.append((self.path, spec))
+        if not spec:
+            return http.server.SimpleHTTPRequestHandler.do_GET(self)
+        data = Path(self.directory, self.path.lstrip("/")).read_bytes()
+        start = int(spec.removeprefix("bytes=").rstrip("-"))
+        if start >= len(data):
+            self.send_error(416)
+            return
+        self.send_response(206)
+        self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        self.send_header("Content-Length", str(len(data) - start))
+        self.end_headers()
+        self.wfile.write(data[start:])
+
+
+class _CutHandler(_Handler):
+    """Announces the whole file but sends only its first half, then hangs up."""
+
+    def do_GET(self):
+        self.requests.append(self.path)
+        data = Path(self.directory, self.path.lstrip("/")).read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data[: len(data) // 2])
+
+
+def test_lm1b_cut_download_keeps_only_a_part_then_resumes(tmp_path, monkeypatch, capsys):
+    served = tmp_path / "served"
+    served.mkdir()
+    data = _tiny_lm1b_archive()
+    (served / LM1B_NAME).write_bytes(data)
+    _swap_lm1b(monkeypatch, data)
+    input_dir = tmp_path / "in"
+    with _serving(served, _CutHandler) as (base_url, _):
+        code, out, err = _run(capsys, "lm1b", "--base-url", base_url,
+                              "--input-dir", str(input_dir))
+    assert (code, out) == (2, "")
+    assert err.startswith(f"error: download of {base_url}{LM1B_NAME} failed after ")
+    assert err.endswith("; run the same command again to resume\n") and err.count("\n") == 1
+    # Nothing under the archive's name or lm1b/: only the .part, which holds the first half.
+    assert sorted(p.name for p in input_dir.iterdir()) == [f"{LM1B_NAME}.part"]
+    assert (input_dir / f"{LM1B_NAME}.part").read_bytes() == data[: len(data) // 2]
+
+    with _serving(served, _RangeHandler) as (base_url, requests):
+        code, out, err = _run(capsys, "lm1b", "--base-url", base_url,
+                              "--input-dir", str(input_dir))
+    assert (code, err) == (0, "")
+    assert requests == [(f"/{LM1B_NAME}", f"bytes={len(data) // 2}-")]
+    assert _tree(input_dir) == [f"lm1b/{name}" for name in sorted(_shard_names())]
+
+
+def test_lm1b_part_restarts_when_the_server_cannot_resume(tiny_lm1b, tmp_path, capsys):
+    _, base_url, requests, _ = tiny_lm1b  # SimpleHTTPRequestHandler ignores Range
+    input_dir = tmp_path / "in"
+    input_dir.mkdir()
+    (input_dir / f"{LM1B_NAME}.part").write_bytes(b"garbage from some other file")
+    code, out, err = _run(capsys, "lm1b", "--base-url", base_url, "--input-dir", str(input_dir))
+    assert (code, err) == (0, "")
+    assert requests == [f"/{LM1B_NAME}", f"/{LM1B_NAME}"]  # the ranged ask, then from 0
+    assert _tree(input_dir) == [f"lm1b/{name}" for name in sorted(_shard_names())]
+
+
+def test_lm1b_complete_part_is_not_downloaded_again(tiny_lm1b, tmp_path, capsys):
+    _, base_url, requests, data = tiny_lm1b
+    (tmp_path / f"{LM1B_NAME}.part").write_bytes(data)
+    code, out, _ = _run(capsys, "lm1b", "--base-url", base_url, "--input-dir", str(tmp_path))
+    assert (code, requests) == (0, [])
+    assert out.startswith("lm1b: unpacked 149 shards")
+
+
+def test_lm1b_archive_without_every_shard_leaves_no_folder(server, tmp_path, monkeypatch,
+                                                           capsys):
+    served, base_url, _ = server
+    data = _tiny_lm1b_archive(drop=f"{HELDOUT_DIR}/news.en.heldout-00001-of-00050")
+    (served / LM1B_NAME).write_bytes(data)
+    _swap_lm1b(monkeypatch, data)
+    input_dir = tmp_path / "in"
+    code, out, err = _run(capsys, "lm1b", "--base-url", base_url, "--input-dir", str(input_dir),
+                          "--keep-archive")
+    assert (code, out) == (2, "")
+    assert err == (f"error: archive {input_dir / LM1B_NAME} is not the lm1b release: it has 49 "
+                   "of the 50 held-out shards; delete it and run again to download it afresh\n")
+    assert [p.name for p in input_dir.iterdir()] == [LM1B_NAME]  # no lm1b/, no temporary
+
+
+def test_lm1b_incomplete_folder_is_never_overwritten(tiny_lm1b, tmp_path, capsys):
+    _, base_url, requests, _ = tiny_lm1b
+    folder = tmp_path / "lm1b"
+    (folder / TRAIN_DIR).mkdir(parents=True)
+    (folder / TRAIN_DIR / "news.en-00001-of-00100").write_text("mine\n")
+    code, out, err = _run(capsys, "lm1b", "--base-url", base_url, "--input-dir", str(tmp_path))
+    assert (code, out, requests) == (2, "", [])
+    assert err == (f"error: {folder} exists but is not a complete lm1b: it has 1 of the 99 "
+                   "train shards; move it away (it is never overwritten) and run again\n")
+    assert (folder / TRAIN_DIR / "news.en-00001-of-00100").read_text() == "mine\n"
+
+
+def test_archive_sources_cover_every_known_archive():
+    assert set(download_data.ARCHIVE_SOURCES) == set(corpora.KNOWN_ARCHIVES)
+    lm1b = corpora.KNOWN_ARCHIVES["lm1b"]
+    assert download_data.ARCHIVE_SOURCES["lm1b"] + lm1b.filename == (
+        "http://www.statmt.org/lm-benchmark/"
+        "1-billion-word-language-modeling-benchmark-r13output.tar.gz")
+    assert len(lm1b.sha256) == 64 and int(lm1b.sha256, 16) >= 0

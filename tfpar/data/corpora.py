@@ -33,20 +33,13 @@ from pathlib import Path
 from typing import Iterable
 
 from tfpar.config import SPLIT_FRACTIONS, check_split_fractions
+from tfpar.data import layouts
+from tfpar.data.layouts import SENTENCE_PER_LINE, SPLIT_PATTERNS, SPLITS
 from tfpar.data.text import Segment, TextSplit, iterate_lines, write_splits
 from tfpar.data.textfile import check_text_file
 from tfpar.errors import DataError
 
 logger = logging.getLogger(__name__)
-
-SPLITS = ("train", "valid", "test")
-
-# File names of a corpus folder, tried in this order ("{}" is the split name). The first
-# pattern whose train file exists decides the names of valid and test too, so a folder
-# never mixes, say, ptb.train.txt with valid.txt.
-SPLIT_PATTERNS = ("ptb.{}.txt", "wiki.{}.tokens", "{}.txt")
-# What a corpus file holds, for the advice of read_text's errors.
-SENTENCE_PER_LINE = "one sentence per line"
 
 TFDS_PREFIX = "tfds:"
 
@@ -65,9 +58,10 @@ class Corpus:
     # "ptb", "wikitext-2", "tfds:tiny_shakespeare", or the folder (file) name for --data
     # DIR (--data FILE).
     name: str
-    train: TextSplit
-    valid: TextSplit
-    test: TextSplit
+    # Out of repr: a corpus of 100 shards would fill a log line.
+    train: TextSplit = dataclasses.field(repr=False)
+    valid: TextSplit = dataclasses.field(repr=False)
+    test: TextSplit = dataclasses.field(repr=False)
 
     def lines(self, split: str) -> list[str]:
         """The stripped, non-blank lines of ``split`` (reads them; for tests and tools)."""
@@ -121,6 +115,34 @@ KNOWN_CORPORA: dict[str, KnownCorpus] = {
 ALIASES = {"wikitext2": "wikitext-2"}
 
 
+@dataclasses.dataclass(frozen=True)
+class KnownArchive:
+    """A corpus published as one archive, which ``scripts/download_data.py`` unpacks."""
+
+    # Canonical name, also the folder name under input/.
+    name: str
+    # The archive's file name on the server and while it is downloaded.
+    filename: str
+    # sha256 of the archive's bytes; its source is given beside each entry.
+    sha256: str
+    # The archive's size in bytes, for the download's progress lines.
+    size: int
+
+
+# Corpora that download as one archive; scripts/download_data.py verifies them against
+# this table (its tests swap in a tiny archive through this dict). Their layouts are
+# read by tfpar.data.layouts.
+KNOWN_ARCHIVES: dict[str, KnownArchive] = {
+    # The One Billion Word Benchmark, release r13output, from
+    # http://www.statmt.org/lm-benchmark/. The sha256 and size are those TensorFlow
+    # Datasets pins for this URL (tensorflow/datasets, url_checksums/lm1b.txt); tfpar has
+    # not downloaded the archive to check them, but every download is checked against them.
+    "lm1b": KnownArchive(
+        "lm1b", "1-billion-word-language-modeling-benchmark-r13output.tar.gz",
+        "01ba60381110baf7f189dfd2b8374de371e8c9a340835793f190bdae9e90a34e", 1_792_209_805),
+}
+
+
 def canonical_name(name: str) -> str | None:
     """Returns the canonical known-corpus name for ``name`` or an alias, else None."""
     name = ALIASES.get(name, name)
@@ -136,77 +158,38 @@ def _sentences(lines: Iterable[str]) -> list[str]:
     return [s for s in (line.strip() for line in lines) if s]
 
 
-def _listing(folder: Path) -> str:
-    """Describes what a folder holds, naming the first few entries."""
-    names = sorted(p.name for p in folder.iterdir())
-    if not names:
-        return "it is empty"
-    shown = ", ".join(names[:_LISTED_NAMES])
-    more = f" and {len(names) - _LISTED_NAMES} more" if len(names) > _LISTED_NAMES else ""
-    return f"it holds {shown}{more}"
-
-
-def _check_folder(folder: Path) -> None:
-    if folder.is_file():
-        raise DataError(
-            f"corpus path {folder} is a file, not a folder; pass the folder that holds the "
-            f"train/valid/test files (e.g. {folder.parent})")
-    if not folder.is_dir():
-        raise DataError(
-            f"corpus folder {folder} does not exist; pass a folder that holds train/valid/test "
-            "text files (see input/README.md)")
-
-
-def _find_split_files(folder: Path) -> dict[str, Path]:
-    """Maps each split to its file, using the first pattern that has a train file."""
-    for pattern in SPLIT_PATTERNS:
-        files = {split: folder / pattern.format(split) for split in SPLITS}
-        if not files["train"].exists():
-            continue
-        for split in ("valid", "test"):
-            if not files[split].exists():
-                raise DataError(
-                    f"corpus folder {folder} has {files['train'].name} but no "
-                    f"{files[split].name}; put the {split} split beside it under that name")
-        return files
-    accepted = ", ".join(p.format("{train,valid,test}") for p in SPLIT_PATTERNS)
-    raise DataError(
-        f"corpus folder {folder} has no recognised split files; expected one of {accepted}, "
-        f"but {_listing(folder)}")
-
-
-def _read_split(file: Path, split: str) -> TextSplit:
-    """One split file, checked (see ``check_text_file``), as a TextSplit."""
-    check_text_file(file, split, holds=SENTENCE_PER_LINE)
-    return TextSplit.of_files([file])
+def _read_split(files: list[Path], split: str) -> TextSplit:
+    """A split's files as a TextSplit; one file is checked whole (``check_text_file``),
+    shards were sniffed by ``tfpar.data.layouts``."""
+    if len(files) == 1:
+        check_text_file(files[0], split, holds=SENTENCE_PER_LINE)
+    return TextSplit.of_files(files)
 
 
 def read_text_dir(path: str | os.PathLike) -> Corpus:
-    """Reads a corpus folder of three text files, one sentence per line.
+    """The corpus in a folder, or given by split globs (``tfpar.data.layouts``).
 
     Args:
-        path: A folder holding train, valid and test files named by one of
-            :data:`SPLIT_PATTERNS`, e.g. ``ptb.train.txt`` or ``wiki.valid.tokens``.
+        path: A folder in one of ``tfpar.data.layouts``' layouts (three files named by
+            :data:`SPLIT_PATTERNS`, such as ``ptb.train.txt``; ``train/ valid/ test/``
+            folders of shards; lm1b's release), or ``train=GLOB,valid=GLOB,test=GLOB``.
 
     Returns:
-        The corpus, named after the folder. Blank lines are dropped; other lines stripped.
+        The corpus, named after the folder (``"globs"`` for globs). Every split lists its
+        files; a split of one file up to 64 MB is checked whole (UTF-8, not binary, not
+        blank), shards by their first bytes.
 
     Raises:
-        DataError: If the folder is missing or a file, no split names are recognised,
-            valid or test is missing, a file cannot be read, is binary or not UTF-8, or a
-            split holds no sentences.
+        DataError: If the folder is missing or a file, no layout fits, a glob matches
+            nothing, a file cannot be read, is binary or not UTF-8, or a split holds no
+            sentences.
     """
-    folder = Path(path)
-    _check_folder(folder)
-    try:
-        files = _find_split_files(folder)
-    except PermissionError:
-        raise DataError(
-            f"cannot read corpus folder {folder}: permission denied; make it readable "
-            f"(e.g. chmod a+rx {folder})") from None
-    splits = {split: _read_split(file, split) for split, file in files.items()}
-    corpus = Corpus(name=Path(os.path.abspath(folder)).name, **splits)
-    logger.info("Corpus %s in %s: %s (train/valid/test)", corpus.name, folder,
+    files = layouts.find_split_files(path)
+    splits = {split: _read_split(paths, split) for split, paths in files.items()}
+    globs = layouts.parse_split_globs(os.fspath(path)) is not None and not os.path.exists(path)
+    name = "globs" if globs else Path(os.path.abspath(path)).name
+    corpus = Corpus(name=name, **splits)
+    logger.info("Corpus %s in %s: %s (train/valid/test)", corpus.name, path,
                 "; ".join(splits[s].describe() for s in SPLITS))
     return corpus
 
@@ -469,6 +452,15 @@ def load_text_corpus(source: str, *, input_dir: str | os.PathLike = "input",
         return load_tfds(name, data_dir=tfds_data_dir)
     if canonical_name(source) is not None:
         return resolve_named(source, input_dir=input_dir)
+    if source == "lm1b":  # downloaded as an archive (KNOWN_ARCHIVES), read as a layout
+        folder = Path(input_dir) / "lm1b"
+        if not folder.exists():
+            raise DataError(
+                f"corpus 'lm1b' is missing: {folder} does not exist; download it with: "
+                "python scripts/download_data.py lm1b (or pass --data DIR)")
+        return dataclasses.replace(read_text_dir(folder), name="lm1b")
+    if layouts.parse_split_globs(source) is not None and not os.path.exists(source):
+        return read_text_dir(source)
     if not os.path.exists(source):
         raise DataError(
             f"data source {source!r} is not a known corpus ({_known_names()}), not tfds:NAME "

@@ -28,26 +28,25 @@ def read_text(file: Path, what: str, *, holds: str) -> str:
     return _decode(_read_bytes(file, what, holds), file, what, holds)
 
 
-# check_text_file reads files up to this size whole; of larger ones, this much.
+# check_text_file reads files up to this size whole; of larger ones, check_text_prefix.
 CHECKED_BYTES = 64 << 20
-PREFIX_BYTES = 1 << 20
 
 
 def check_text_file(file: Path, what: str, *, holds: str, needs_text: bool = True) -> None:
     """Checks that ``file`` is UTF-8 text with at least one non-blank line, without
-    keeping it: a file up to CHECKED_BYTES is read whole, a larger one only its first
-    PREFIX_BYTES (a corpus shard of gigabytes is sniffed, not read twice).
+    keeping it: a file up to CHECKED_BYTES is read whole, a larger one only as
+    :func:`check_text_prefix` does (a corpus file of gigabytes is sniffed, not read twice:
+    the input pipeline streams it later).
 
     Raises:
       DataError: as :func:`read_text`, or (``needs_text``) ``"{what} split {file} has no
         sentences"``.
     """
-    size = _size(file, what, holds)
-    data = _read_bytes(file, what, holds, limit=PREFIX_BYTES if size > CHECKED_BYTES else -1)
-    if len(data) < size:
-        data = data[:data.rfind(b"\n") + 1] or data[:0]  # a character cut at the end
-    text = _decode(data, file, what, holds)
-    if needs_text and not text.strip() and len(data) >= size:
+    if _size(file, what, holds) > CHECKED_BYTES:
+        check_text_prefix(file, what, holds=holds)
+        return
+    text = _decode(_read_bytes(file, what, holds), file, what, holds)
+    if needs_text and not text.strip():
         raise DataError(
             f"{what} split {file} has no sentences (it is empty or holds only blank lines); "
             f"it needs {holds}")
@@ -64,12 +63,50 @@ def _size(file: Path, what: str, holds: str) -> int:
         raise DataError(f"cannot read {what} file {file}: {e.strerror or e}") from None
 
 
-def _read_bytes(file: Path, what: str, holds: str, limit: int = -1) -> bytes:
+# How much of a file check_text_prefix reads: like git, which calls a file binary when
+# its first 8,000 bytes hold a NUL, a few KB decide; a 500 MB shard is never read whole.
+PREFIX_BYTES = 8192
+
+
+def check_text_prefix(file: Path, what: str, *, holds: str,
+                      size: int = PREFIX_BYTES) -> None:
+    """Checks that ``file`` is readable and its first ``size`` bytes are UTF-8 text.
+
+    For shards too large to read here (the input pipeline streams them later): the
+    messages are :func:`read_text`'s, but only a prefix is read, so a bad byte past it is
+    found by the pipeline, not here.
+
+    Args:
+      file: the path.
+      what: how messages name the file (``"train"``, ``"valid"``, ``"test"``).
+      holds: what each line of a good file holds, for the advice.
+      size: how many bytes to check.
+
+    Raises:
+      DataError: as :func:`read_text`, for the prefix.
+    """
+    prefix = _read_bytes(file, what, holds, limit=size + 1)
+    if len(prefix) > size:
+        # The file goes on past the prefix, which may end inside a multi-byte character:
+        # drop a lead byte and the continuation bytes that follow it if they are fewer
+        # than it announces (a lone continuation byte is still caught by the decoder).
+        prefix = prefix[:size]
+        for back in range(1, min(4, len(prefix)) + 1):
+            byte = prefix[-back]
+            if byte & 0xC0 != 0x80:  # a lead (or ASCII) byte
+                length = 4 if byte >= 0xF0 else 3 if byte >= 0xE0 else 2 if byte >= 0xC0 else 1
+                if length > back:
+                    prefix = prefix[:-back]
+                break
+    _decode(prefix, file, what, holds)
+
+
+def _read_bytes(file: Path, what: str, holds: str, limit: int | None = None) -> bytes:
     try:
-        if limit >= 0:
-            with open(file, "rb") as f:
-                return f.read(limit)
-        return file.read_bytes()
+        if limit is None:
+            return file.read_bytes()
+        with file.open("rb") as f:
+            return f.read(limit)
     except FileNotFoundError:
         raise DataError(
             f"{what} file {file} does not exist; give the path of a UTF-8 text file with "
