@@ -172,6 +172,23 @@ def test_bucket_boundaries_keep_padding_below_target():
             assert (inside.max() * inside.size - inside.sum()) / (inside.max() * inside.size) <= 0.02 + 1e-9
 
 
+@pytest.mark.parametrize("pipelines", [2, 3])
+def test_one_device_can_make_the_global_batches_of_several_pipelines(pipelines):
+    """shared_batches: batch k is every pipeline's k-th batch, in pipeline order, with
+    their global row keys (the verify tool's multi_worker reference)."""
+    data = make_data(make_lines(90), max_pad_fraction=0.3)
+    per = [list(data.batches("train", training=True, epoch=1, batch_size=12,
+                             input_context=Ctx(pipelines, pipelines, p)))
+           for p in range(pipelines)]
+    shared = list(data.batches("train", training=True, epoch=1, batch_size=12,
+                               shares=pipelines))
+    assert len(shared) == max(len(b) for b in per)
+    for k, g in enumerate(shared):
+        parts = [b[k] for b in per if k < len(b)]
+        assert rows(g) == sum((rows(b) for b in parts), [])
+        np.testing.assert_array_equal(g["rows"], np.concatenate([b["rows"] for b in parts]))
+
+
 def test_stream_mode_rows_are_contiguous_byte_ranges_of_the_split():
     lines = [f"t{i}" for i in range(40)]  # stream: t0 <eos> t1 <eos> ...
     data = make_data(lines, mode="stream", bptt=3)

@@ -41,6 +41,7 @@ would hold no rows holds one row of padding instead (zero tokens, zero gradient)
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from typing import Sequence
@@ -146,6 +147,22 @@ def state_rows(state: tf.Tensor, start: tf.Tensor, size: tf.Tensor) -> tf.Tensor
     ``shard_bounds`` gives; one zero row when ``size`` is 0 (its padding row)."""
     return tf.cond(size > 0, lambda: state[start:start + size],
                    lambda: tf.zeros(tf.concat([[1], tf.shape(state)[1:]], 0), state.dtype))
+
+
+def at_least_one_row(batch: dict) -> dict:
+    """A batch of no rows becomes one row of padding (zero tokens, zero gradient).
+
+    In a multi-worker sentence-mode epoch each input pipeline reads its own lines, so one
+    may run out a step or two before another; ``tf.distribute`` then hands its replicas
+    batches of 0 rows until every pipeline has ended (which Keras RNN kernels reject).
+    """
+    rows = tf.shape(batch["targets"])[0]
+
+    def one_row(value):
+        shape = tf.concat([[1], tf.maximum(tf.shape(value)[1:], 1)], axis=0)
+        return tf.fill(shape, tf.constant(PAD_ID, value.dtype))
+
+    return {k: tf.cond(rows > 0, lambda v=v: v, lambda v=v: one_row(v)) for k, v in batch.items()}
 
 
 def _pad_row(value: tf.Tensor) -> tf.Tensor:
@@ -356,9 +373,40 @@ class InputData:
 
         return chunks.scan(tf.zeros([0], tf.int32), step).unbatch()
 
+    def shared_batches(self, split: str, batch_size: int, shares: int, *, shuffle: bool,
+                       epoch: int = 0) -> tf.data.Dataset:
+        """Global sentence-mode batches as ``shares`` input pipelines make them: batch k
+        is the rows of every pipeline's k-th batch (``own_share``, ``pipeline_rows``), in
+        pipeline order, keyed by their global rows; a pipeline that has ended adds none.
+
+        What one device trains on to repeat a ``shares``-worker run exactly (the verify
+        tool's multi_worker reference)."""
+        parts = []
+        for index in range(shares):
+            first, rows = pipeline_rows(batch_size, _Context(shares, shares, index))
+            ds = self.sentence_batches(split, rows, shuffle=shuffle, epoch=epoch,
+                                       pipelines=shares, index=index)
+            ended = {"inputs": tf.zeros([0, 1], tf.int32), "targets": tf.zeros([0, 1], tf.int32),
+                     "rows": tf.zeros([0], tf.int32)}
+            parts.append(ds.map(lambda b, first=first: (
+                {**b, "rows": first + tf.range(tf.shape(b["targets"])[0], dtype=tf.int32)},
+                True)).concatenate(tf.data.Dataset.from_tensors((ended, False)).repeat()))
+
+        def join(*parts_):
+            length = tf.reduce_max([tf.shape(b["targets"])[1] for b, _ in parts_])
+            out = {}
+            for key in ("inputs", "targets"):
+                out[key] = tf.concat([tf.pad(b[key], [[0, 0], [0, length - tf.shape(b[key])[1]]])
+                                      for b, _ in parts_], axis=0)
+            out["rows"] = tf.concat([b["rows"] for b, _ in parts_], axis=0)
+            return out
+
+        return tf.data.Dataset.zip(tuple(parts)).take_while(
+            lambda *parts_: tf.reduce_any(tf.stack([alive for _, alive in parts_]))).map(join)
+
     # -- both
     def batches(self, split: str, *, training: bool, epoch: int = 0, skip: int = 0,
-                input_context=None, batch_size: int) -> tf.data.Dataset:
+                input_context=None, batch_size: int, shares: int = 1) -> tf.data.Dataset:
         """The per-replica dataset of ``split`` for one epoch.
 
         Args:
@@ -369,10 +417,15 @@ class InputData:
           skip: batches of this pipeline to skip (resuming in the middle of an epoch).
           input_context: ``tf.distribute.InputContext`` or None for one device.
           batch_size: global batch size.
+          shares: sentence mode, one pipeline: make the global batches that this many
+            input pipelines would (:meth:`shared_batches`).
         """
         pipelines = input_context.num_input_pipelines if input_context is not None else 1
         if self.config.mode == "stream":
             ds = self.stream_batches(split, batch_size)
+            rows = None
+        elif pipelines == 1 and shares > 1:
+            ds = self.shared_batches(split, batch_size, shares, shuffle=training, epoch=epoch)
             rows = None
         elif pipelines == 1:
             ds = self.sentence_batches(split, batch_size, shuffle=training, epoch=epoch)
@@ -414,6 +467,15 @@ def pipeline_rows(batch_size: int, input_context) -> tuple[int, int]:
     first = input_context.input_pipeline_id * local
     starts = [int(r) for r in _bounds(batch_size, total)]
     return starts[first], starts[first + local] - starts[first]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Context:
+    """The fields of a ``tf.distribute.InputContext`` that this module reads."""
+
+    num_replicas_in_sync: int
+    num_input_pipelines: int
+    input_pipeline_id: int
 
 
 def _bounds(rows: int, shards: int) -> list[int]:

@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from tfpar.data.pipeline import at_least_one_row
 from tfpar.model import xla
 from tfpar.objective import losses
 
@@ -92,6 +93,8 @@ def forward(model, batch: dict, state=None, training: bool = False):
     Returns:
       ``(nll_sum, count, final_state)``, float32 scalars and the state structure.
     """
+    if not model.fixed_shapes:  # sentence mode: an ended pipeline's replica gets 0 rows
+        batch = at_least_one_row(batch)
     logits, final = model(batch["inputs"], initial_state=state, training=training,
                           rows=batch.get("rows"))
     nll_sum, count = losses.nll_sum_and_count(logits, batch["targets"])

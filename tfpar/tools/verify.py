@@ -119,6 +119,9 @@ class Setup:
     initial_weights: list[np.ndarray]
     clip_norm: float
     clip_norm_auto: bool
+    # Sentence mode: train on the global batches this many input pipelines make
+    # (InputData.shared_batches), the reference of a multi_worker run.
+    shares: int = 1
 
     @property
     def vocab_size(self) -> int:
@@ -130,7 +133,8 @@ class Setup:
     def train_batches(self, plugin, epoch: int):
         return plugin.distribute(
             lambda ctx: self.data.batches("train", training=True, epoch=epoch,
-                                          input_context=ctx, batch_size=self.spec.batch_size)
+                                          input_context=ctx, batch_size=self.spec.batch_size,
+                                          shares=self.shares)
         )
 
 
@@ -410,7 +414,12 @@ def verify(spec: VerifySpec) -> tuple[Setup, list[Row]]:
         # The default row runs again: one device repeats itself exactly.
         log.info("running %s:%d", name, replicas)
         result = RUNNERS[name].run(setup, replicas)
-        rows.append(compare(spec, setup, name, replicas, result, reference))
+        against = reference
+        if name == "multi_worker" and spec.mode == "sentence":
+            # Each worker's pipeline reads its own share of the lines: one device
+            # repeats the run on the global batches those shares make.
+            against = RUNNERS[REFERENCE].run(dataclasses.replace(setup, shares=replicas), 1)
+        rows.append(compare(spec, setup, name, replicas, result, against))
     return setup, rows
 
 

@@ -25,6 +25,8 @@ from tfpar.objective.step import run_steps
 from tfpar.training.hooks import CheckpointHook, ProgressHook, Record, SummaryHook
 
 log = logging.getLogger(__name__)
+# The progress bar counts an epoch's batches beforehand up to this train-split size.
+COUNTED_BYTES = 64 << 20
 
 
 @dataclasses.dataclass
@@ -62,6 +64,7 @@ class Loop:
         # --steps-per-execution N > 1: steps(iterator, state, n) runs up to n per call.
         self.train_steps = train_steps
         self.progress = Progress()
+        self.last_epoch_batches = 0  # batches of the last whole epoch (the bar's total)
         self.bad_in_a_row = 0  # non-finite batches since the last finite one
         self.carrying = None  # stream mode: the state the next window starts from
         self.carried_in = None  # and the state the last window started from
@@ -116,16 +119,27 @@ class Loop:
         """The batches of ``epoch`` after the first ``skip`` (one pass of the input)."""
         return count_batches(self.train_batches(epoch, 0)) - skip
 
-    def start_bar(self, todo: int) -> None:
-        """The progress bar of an epoch with ``todo`` batches left (fewer by --max-steps)."""
+    def start_bar(self, todo: int | None) -> None:
+        """The progress bar of an epoch with ``todo`` batches left (fewer by --max-steps;
+        None: not known)."""
         if self.bar is not None:
             max_steps = self.config.train.max_steps
+            if todo is None:
+                todo = max_steps - self.step if max_steps else None
             self.bar.start_epoch(min(todo, max_steps - self.step) if max_steps else todo)
+
+    def bar_total(self, epoch: int, skip: int) -> int | None:
+        """The batches left for the progress bar: counted by a pass over the input when
+        the train split is at most COUNTED_BYTES, else the last epoch's count (None in
+        the first): a large corpus's first step does not wait for a pass over it."""
+        if self.data.splits["train"].nbytes <= COUNTED_BYTES:
+            return self.batches_left(epoch, skip)
+        return self.last_epoch_batches - skip if self.last_epoch_batches else None
 
     def train_epoch(self, epoch: int, skip: int) -> None:
         batches = self.plugin.distribute(lambda ctx: self.train_batches(epoch, skip, ctx))
         if self.bar is not None:
-            self.start_bar(self.batches_left(epoch, skip))
+            self.start_bar(self.bar_total(epoch, skip))
         stream = self.config.data.mode == "stream"
         train_step = restart_state_after_non_finite(self.train_step) if stream else \
             self.train_step
@@ -249,6 +263,7 @@ class Loop:
                  wall_time(time.perf_counter() - began))
         self.writer.scalars("eval", {"perplexity": ppl, "epoch": epoch + 1}, self.step)
         self.writer.end_epoch(self.state.model, self.step)
+        self.last_epoch_batches = int(self.state.batch_in_epoch.numpy())
         self.state.epoch.assign(epoch + 1)
         self.state.batch_in_epoch.assign(0)
         self.carrying = None  # the next epoch starts from zeros
