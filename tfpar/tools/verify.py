@@ -216,8 +216,11 @@ def build_setup(spec: VerifySpec) -> Setup:
 
 def initial_gradient_norms(model, data: InputData, batch_size: int, count: int) -> list[float]:
     """The global gradient norms of the first ``count`` training batches (epoch 0, in the
-    order training reads them) at the initial weights."""
+    order training reads them) at the initial weights; batch k with step k's sampled-
+    softmax candidates, the ones training draws for it (dropout stays off)."""
     batches = data.batches("train", training=True, epoch=0, batch_size=batch_size)
+    at = tf.Variable(0, dtype=tf.int64, trainable=False)
+    model.noise.step = lambda: at
 
     @tf.function(reduce_retracing=True)  # Traced, like every train step.
     def norm(batch):
@@ -225,7 +228,11 @@ def initial_gradient_norms(model, data: InputData, batch_size: int, count: int) 
                                            training=False)
         return tf.linalg.global_norm([step.deduplicate(g) for g in grads])
 
-    return [float(norm(batch)) for batch in batches.take(count)]
+    norms = []
+    for k, batch in enumerate(batches.take(count)):
+        at.assign(k)
+        norms.append(float(norm(batch)))
+    return norms
 
 
 # ------------------------------------------------------------------------- runners
