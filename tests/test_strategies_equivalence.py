@@ -95,3 +95,46 @@ def test_the_optimizer_applies_the_summed_gradients_without_summing_again():
     pairs = [(tf.constant([1.0]), "v0"), (tf.constant([2.0]), "v1")]
     assert optimizer._all_reduce_sum_gradients(iter(pairs)) == pairs
     assert "_all_reduce_sum_gradients" not in vars(keras.optimizers.SGD(1.0))  # per instance
+
+
+@functools.lru_cache(maxsize=None)
+def sampled_setup(mode, tie):
+    """``setup(mode)`` with the sampled softmax (8 candidates of 43 words), tied or not;
+    the clip norm is the median of the first steps' gradient norms, as verify picks it."""
+    import dataclasses
+
+    import numpy as np
+
+    from tfpar.tools.verify import initial_gradient_norms
+
+    base = setup(mode)
+    config = dataclasses.replace(MODEL, softmax="sampled", num_sampled=8, tie_embeddings=tie)
+    model = build_model(config, len(base.data.vocab), seed=0)
+    clip = float(np.median(initial_gradient_norms(model, base.data, BATCH, STEPS)))
+    return Setup(base.spec, base.data, config, model.get_weights(), clip, clip_norm_auto=True)
+
+
+@functools.lru_cache(maxsize=None)
+def run_sampled(strategy, replicas, mode, tie):
+    s = sampled_setup(mode, tie)
+    if strategy == "pipeline":
+        from tfpar.tools.verify import run_pipeline
+
+        return run_pipeline(s, replicas)  # stages on `replicas` devices, 3 micro-batches
+    return run_plugin(s, dist_config(strategy, replicas))
+
+
+@pytest.mark.parametrize("strategy,replicas,mode,tie", [
+    ("mirrored", 2, "sentence", False), ("tower", 3, "stream", True),
+    ("pipeline", 2, "sentence", True)])
+def test_sampled_softmax_matches_default(strategy, replicas, mode, tie):
+    """--softmax sampled: every replica (and micro-batch) draws the step's candidates
+    from (seed, step), so N devices give one device's update, sparse gradients and all."""
+    ref = run_sampled("default", 1, mode, tie)
+    got = run_sampled(strategy, replicas, mode, tie)
+    s = sampled_setup(mode, tie)
+    assert_clipped_and_unclipped(ref.grad_norms, s.clip_norm)
+    assert max_diff(ref.weights, s.initial_weights) > 1e-3
+    assert_same_training(got, ref, STEPS)
+    assert got.eval_count == ref.eval_count  # eval: the full softmax, distributed
+    assert got.eval_nll == pytest.approx(ref.eval_nll, rel=1e-6)

@@ -114,6 +114,17 @@ def cli_error(argv, capsys):
      "error: split-fractions '0.9,0.1' must be three numbers train,valid,test"),
     (["--split-fractions", "0.9,a,0.1"],
      "error: --split-fractions '0.9,a,0.1' must be three comma-separated numbers"),
+    (["--num-sampled", "100"], "error: num-sampled 100 only applies to the sampled softmax; "
+                               "add --softmax sampled or drop --num-sampled"),
+    (["--softmax", "sampled", "--num-sampled", "0"], "error: num-sampled must be >= 1, got 0"),
+    (["--softmax", "sampled", "--num-sampled", "-3"], "error: num-sampled must be >= 1, got -3"),
+    # The tiny corpus has 40 words: 43 entries with <pad> <unk> <eos>.
+    (["--softmax", "sampled", "--num-sampled", "43"],
+     "error: num-sampled 43 must be smaller than the vocabulary size 43; use --num-sampled 42 "
+     "or less, or --softmax full"),
+    (["--softmax", "sampled"], "error: num-sampled 8192 must be smaller than the vocabulary "
+                               "size 43"),
+    (["--softmax", "nce"], "error: unknown softmax 'nce'; expected one of: full, sampled"),
     (["--vocab-file", "v.txt", "--vocab-size", "100"],
      "error: vocab-size 100 does not apply to vocab-file 'v.txt', which is used whole; drop "
      "--vocab-size (or --vocab-file to count the train split)"),
@@ -199,7 +210,7 @@ def test_help_documents_every_flag():
     for flag in ("--strategy", "--all-reduce", "--cpu-devices", "--data", "--mode", "--bptt",
                  "--tie-embeddings", "--clip-norm", "--model-dir", "--export-dir", "--no-export",
                  "--metrics-json", "--batch-size", "--intra-op-threads", "--tokenizer",
-                 "--split-fractions", "--vocab-file"):
+                 "--split-fractions", "--vocab-file", "--softmax", "--num-sampled"):
         assert flag in proc.stdout
 
 
@@ -378,3 +389,30 @@ def test_an_unreadable_vocab_file_is_one_line(tiny_args, tmp_path, capsys, monke
 
 def _refuse(path):
     raise PermissionError(13, "Permission denied", str(path))
+
+
+def test_sampled_softmax_trains_evaluates_with_the_full_softmax_and_exports(tiny_args, tmp_path,
+                                                                           capsys):
+    """--softmax sampled on 2 replicas: config.json records it; valid perplexity is the
+    full softmax's (the export's score signature, which uses every logit, gives the same
+    over the valid split); a resume with the full softmax is refused."""
+    from tfpar.data.vocab import Vocab
+
+    args = tiny_args + ["--strategy", "mirrored", "--softmax", "sampled", "--num-sampled", "10",
+                        "--optimizer", "sgd", "--lr", "1"]
+    assert train_main(args) == 0
+    stored = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert (stored["model"]["softmax"], stored["model"]["num_sampled"]) == ("sampled", 10)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["steps"] == 6 and np.isfinite(metrics["train_ppl"])
+    valid = (Path(tiny_args[tiny_args.index("--data") + 1]) / "valid.txt").read_text().split("\n")
+    scored = tf.saved_model.load(metrics["export_path"]).signatures["score"](
+        text=tf.constant([line for line in valid if line.strip()]))
+    ppl = float(np.exp(scored["nll"].numpy().sum() / scored["tokens"].numpy().sum()))
+    assert metrics["valid_ppl"] == pytest.approx(ppl, rel=1e-5)
+    assert len(Vocab.load(tmp_path / "run" / "vocab.txt")) == 43
+    capsys.readouterr()
+    code, err = cli_error(tiny_args + ["--strategy", "mirrored", "--optimizer", "sgd", "--lr",
+                                       "1"], capsys)
+    assert code == 2 and "model.softmax: checkpoint has 'sampled', this run asks for 'full'" \
+        in err, err

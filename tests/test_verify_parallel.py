@@ -239,3 +239,38 @@ def test_verify_fails_when_replicas_key_masks_by_their_local_rows(monkeypatch, c
     argv = ["--strategies", "mirrored:2", *REGULARISED, *SMALL]
     assert verify.main(argv) == 1
     assert "FAIL mirrored:2: max |dtheta|" in capsys.readouterr().out
+
+
+def test_verify_passes_with_the_sampled_softmax_and_fails_per_replica_candidates(
+        monkeypatch, capsys):
+    """``--softmax sampled``: mirrored matches one device because every replica draws the
+    same candidates; with TF's stateful sampler (each replica its own draw) it does not."""
+    argv = ["--strategies", "mirrored:2", "--softmax", "sampled", "--num-sampled", "10",
+            "--tie-embeddings", *SMALL]
+    assert verify.main(argv) == 0
+    assert "all 1 strategies match default" in capsys.readouterr().out
+
+    from tfpar.objective import sampling, step
+
+    def stateful(key, num_sampled, range_max):
+        ids, _, _ = tf.random.log_uniform_candidate_sampler(
+            tf.zeros([1, 1], tf.int64), 1, num_sampled, True, range_max)
+        return sampling.Candidates(ids, tf.constant(num_sampled, tf.int64), num_sampled,
+                                   range_max)
+
+    monkeypatch.setattr(step.sampling, "log_uniform_candidates", stateful)
+    assert verify.main(argv) == 1
+    assert "FAIL mirrored:2: max |dtheta|" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--num-sampled", "10"], "error: --num-sampled 10 only applies to the sampled softmax"),
+    (["--softmax", "sampled", "--num-sampled", "500"],
+     "error: num-sampled 500 must be smaller than the vocabulary size"),
+])
+def test_sampled_softmax_usage_errors(argv, message, capsys):
+    """One error line, no traceback (the vocabulary check comes after the corpus's log)."""
+    assert load_script().main(argv + SMALL) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(message), err
+    assert [line for line in err if "error" in line.lower()] == err[-1:], err

@@ -19,7 +19,10 @@ MODES = ("sentence", "stream")
 LONG_SENTENCES = ("split", "truncate")
 CELLS = ("lstm", "gru")
 PRECISIONS = ("fp32", "bf16")
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adagrad")
+SOFTMAXES = ("full", "sampled")
+# --num-sampled when --softmax sampled does not give it (Jozefowicz et al. 2016: 8192).
+DEFAULT_NUM_SAMPLED = 8192
 ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
 SCALE_LR = ("none", "linear")
 ON_NAN = ("stop", "skip")
@@ -185,10 +188,28 @@ class ModelConfig:
     # gradients, the softmax) run in bfloat16 on float32 weights; recurrent state, loss
     # and optimizer stay float32. Pays off on CPUs with AMX/AVX512-BF16.
     precision: str = "fp32"
+    # The training loss: "full" (every word's logit) or "sampled" (tf.nn.sampled_softmax_loss
+    # over each target and num_sampled log-uniform candidates shared by the whole global
+    # batch; tfpar.objective.sampling). Evaluation, scoring, generation and the export
+    # always use the full softmax. Untied, a sampled model's softmax kernel is stored
+    # [V, H] (one row per word, so its gradient stays sparse), a full one's [H, V].
+    softmax: str = "full"
+    # Candidates per step with softmax "sampled" (None there: DEFAULT_NUM_SAMPLED);
+    # 1 <= num_sampled < the vocabulary size. Must be None with softmax "full".
+    num_sampled: int | None = None
 
     def __post_init__(self) -> None:
         _choice("cell", self.cell, CELLS)
         _choice("precision", self.precision, PRECISIONS)
+        _choice("softmax", self.softmax, SOFTMAXES)
+        if self.softmax == "full":
+            if self.num_sampled is not None:
+                raise ConfigError(f"num-sampled {self.num_sampled} only applies to the sampled "
+                                  "softmax; add --softmax sampled or drop --num-sampled")
+        elif self.num_sampled is None:
+            object.__setattr__(self, "num_sampled", DEFAULT_NUM_SAMPLED)
+        elif self.num_sampled < 1:
+            raise ConfigError(f"num-sampled must be >= 1, got {self.num_sampled!r}")
         _positive("layers", self.layers)
         _positive("embed-dim", self.embed_dim)
         _positive("hidden-dim", self.hidden_dim)
@@ -198,6 +219,14 @@ class ModelConfig:
             if value is not None and not 0 <= value < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be in [0, 1), got {value!r}")
         _non_negative("init-scale", self.init_scale)
+
+    def check_vocab_size(self, vocab_size: int) -> None:
+        """Raises ConfigError when the sampled softmax cannot draw ``num_sampled``
+        distinct negatives from a vocabulary of ``vocab_size`` entries."""
+        if self.softmax == "sampled" and self.num_sampled >= vocab_size:
+            raise ConfigError(
+                f"num-sampled {self.num_sampled} must be smaller than the vocabulary size "
+                f"{vocab_size}; use --num-sampled {vocab_size - 1} or less, or --softmax full")
 
     def dropout_at(self, site: str) -> float:
         """The rate at ``site``: "input", "hidden" or "output"."""
@@ -209,7 +238,8 @@ class ModelConfig:
 class TrainConfig:
     """Optimisation and the training loop."""
 
-    # "sgd" or "adam".
+    # "sgd", "adam" or "adagrad" (with sparse gradients, SGD and Adagrad update only the
+    # rows a step touched; Adam every row: README "Huge vocabularies").
     optimizer: str = "adam"
     # Base learning rate (before decay, warm-up and linear scaling).
     lr: float = 3e-3
@@ -395,7 +425,7 @@ class Config:
 # The model-shaping fields: a checkpoint made with one value cannot be resumed with another.
 INCOMPATIBLE_ON_RESUME = (
     ("model", "cell"), ("model", "layers"), ("model", "embed_dim"), ("model", "hidden_dim"),
-    ("model", "tie_embeddings"), ("data", "source"), ("data", "vocab_size"),
+    ("model", "tie_embeddings"), ("model", "softmax"), ("data", "source"), ("data", "vocab_size"),
     ("data", "min_count"), ("data", "tokenizer"), ("data", "split_fractions"),
     ("train", "optimizer"),
 )

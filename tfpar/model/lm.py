@@ -1,7 +1,8 @@
 """The Keras 3 RNN language model.
 
 ``inputs`` [B, T] int32 → embedding (``mask_zero``) → ``layers`` × LSTM/GRU → dense
-softmax logits [B, T, V], with dropout (per token or locked) on the embedding output,
+softmax logits [B, T, V] (:meth:`RNNLanguageModel.features` stops before the softmax,
+for the sampled loss), with dropout (per token or locked) on the embedding output,
 between layers and before the softmax, word-type dropout on the embedding and weight
 drop on the recurrent matrices, all drawn by ``tfpar.model.noise``. Every part has its
 own layer name (``embedding``, ``rnn_0`` … ``rnn_{L-1}``, ``softmax``) so the pipeline
@@ -66,6 +67,9 @@ class RNNLanguageModel(keras.Model):
         if config.tie_embeddings:
             self.softmax = TiedSoftmax(self.embedding, matmul_dtype=matmul_dtype, name=SOFTMAX,
                                        projection_initializer=init or "glorot_uniform")
+        elif config.softmax == "sampled":
+            self.softmax = RowSoftmax(vocab_size, matmul_dtype=matmul_dtype, name=SOFTMAX,
+                                      kernel_initializer=init or "glorot_uniform")
         else:
             self.softmax = (LowPrecisionDense if matmul_dtype else keras.layers.Dense)(
                 vocab_size, name=SOFTMAX, **({"kernel_initializer": init} if init else {})
@@ -138,6 +142,13 @@ class RNNLanguageModel(keras.Model):
           ``(logits [B, T, V], final_state)`` with ``final_state`` shaped like
           ``initial_state``.
         """
+        x, finals = self.features(inputs, initial_state, training=training, rows=rows)
+        return self.softmax(x), finals
+
+    def features(self, inputs, initial_state=None, training=False, rows=None):
+        """The model up to the softmax: ``(x [B, T, H], final_state)``, arguments as
+        :meth:`call`. ``self.softmax(x)`` is the logits; the sampled loss takes
+        ``self.softmax.project(x)`` [B, T, D] and ``self.softmax.output_weights()``."""
         x, mask = self.embed(inputs, training=training, rows=rows)
         finals = []
         for i in range(len(self.rnns)):
@@ -146,7 +157,7 @@ class RNNLanguageModel(keras.Model):
                 rows=rows,
             )
             finals.append(final)
-        return self.softmax(x), finals
+        return x, finals
 
 
 class TiedSoftmax(keras.layers.Layer):
@@ -174,11 +185,50 @@ class TiedSoftmax(keras.layers.Layer):
             shape=(self._embedding.input_dim,), initializer="zeros", name="bias"
         )
 
-    def call(self, x):
+    def project(self, x):
+        """[.., H] → [.., E]: the tied table's width (the identity when H == E)."""
         if self.projection is not None:
             x = _matmul(x, self.projection, self.matmul_dtype)
+        return x
+
+    def output_weights(self):
+        """``(E [V, E], bias [V])``: one row per word (the sampled loss reads rows)."""
+        return self._embedding.embeddings, self.bias
+
+    def call(self, x):
+        x = self.project(x)
         return _matmul(x, self._embedding.embeddings, self.matmul_dtype, transpose_b=True) \
             + self.bias
+
+
+class RowSoftmax(keras.layers.Layer):
+    """Logits ``h @ W^T + b`` with ``W`` [V, H] stored one row per word: the untied
+    softmax of a model trained with the sampled softmax, whose gradient then touches only
+    the rows of the step's targets and candidates (a Keras ``Dense`` kernel is [H, V],
+    whose column gathers differentiate densely)."""
+
+    def __init__(self, units: int, *, matmul_dtype=None, kernel_initializer="glorot_uniform",
+                 **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.matmul_dtype = matmul_dtype
+        self.kernel_initializer = kernel_initializer
+        self.supports_masking = True
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(self.units, int(input_shape[-1])), name="kernel",
+                                      initializer=self.kernel_initializer)
+        self.bias = self.add_weight(shape=(self.units,), initializer="zeros", name="bias")
+
+    def project(self, x):
+        return x
+
+    def output_weights(self):
+        """``(W [V, H], bias [V])``."""
+        return self.kernel, self.bias
+
+    def call(self, x):
+        return _matmul(x, self.kernel, self.matmul_dtype, transpose_b=True) + self.bias
 
 
 class LowPrecisionDense(keras.layers.Dense):

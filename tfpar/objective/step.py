@@ -37,7 +37,11 @@ import tensorflow as tf
 
 from tfpar.data.pipeline import at_least_one_row
 from tfpar.model import xla
-from tfpar.objective import losses
+from tfpar.objective import losses, sampling
+
+# The noise site (tfpar.model.noise) that keys the sampled softmax's candidates: one
+# draw per (seed, step), the same on every replica and micro-batch.
+CANDIDATE_SITE = -1
 
 
 @dataclasses.dataclass
@@ -101,6 +105,40 @@ def forward(model, batch: dict, state=None, training: bool = False):
     return nll_sum, count, final
 
 
+def sampled_loss(model, x: tf.Tensor, targets: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(nll_sum, count)`` of the sampled softmax on the model's features ``x``
+    [b, T, H] and ``targets`` [b, T], with the step's shared candidates."""
+    candidates = sampling.log_uniform_candidates(
+        model.noise.key(CANDIDATE_SITE), model.config.num_sampled, model.vocab_size)
+    weights, biases = model.softmax.output_weights()
+    return losses.sampled_nll_sum_and_count(
+        model.softmax.project(x), targets, _variable(weights), _variable(biases), candidates)
+
+
+def _variable(weight):
+    """The ``tf.Variable`` behind a Keras variable (gathered rows: a sparse read)."""
+    return getattr(weight, "value", weight)
+
+
+def training_loss(model, batch: dict, state=None, training: bool = True):
+    """The loss training differentiates: :func:`forward`'s full softmax, or with
+    ``--softmax sampled`` :func:`sampled_loss` (arguments and result as :func:`forward`;
+    ``training`` only switches dropout)."""
+    if model.config.softmax != "sampled":
+        return forward(model, batch, state, training)
+    x, final = model.features(batch["inputs"], initial_state=state, training=training,
+                              rows=batch.get("rows"))
+    nll_sum, count = sampled_loss(model, x, batch["targets"])
+    return nll_sum, count, final
+
+
+def sparse_gradients(model) -> bool:
+    """Whether gradients stay ``tf.IndexedSlices`` through aggregation, clipping and the
+    optimizer: with the sampled softmax (the full softmax's gradients are made dense
+    where they are taken, as they always were)."""
+    return model.config.softmax == "sampled"
+
+
 def replica_gradients(model, batch: dict, global_count: tf.Tensor, state=None, *,
                       training: bool = True, variables: Sequence | None = None):
     """One replica's share: gradients of ``nll_sum / global_count`` on its rows.
@@ -114,16 +152,63 @@ def replica_gradients(model, batch: dict, global_count: tf.Tensor, state=None, *
       variables: what to differentiate (default: ``model.trainable_variables``).
 
     Returns:
-      ``(grads, nll_sum, count, final_state)``: dense gradients, one per variable, and
-      the final state cut from the tape (truncated BPTT: the next window starts there).
+      ``(grads, nll_sum, count, final_state)``: one gradient per variable (dense, or with
+      the sampled softmax the embedding's and the softmax's as ``tf.IndexedSlices``
+      [rows, D] with repeated rows), and the final state cut from the tape (truncated
+      BPTT: the next window starts there).
     """
     variables = model.trainable_variables if variables is None else variables
     with tf.GradientTape() as tape:
-        nll_sum, count, final = forward(model, batch, state, training)
+        nll_sum, count, final = training_loss(model, batch, state, training)
         loss = nll_sum / tf.maximum(global_count, 1.0)
     grads = tape.gradient(loss, variables)
-    grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+    if not sparse_gradients(model):
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                 for g in grads]
     return grads, nll_sum, count, detach_state(final)
+
+
+# -- gradients that may be tf.IndexedSlices: what every plug-in's aggregation and apply use
+def sum_gradients(parts: Sequence) -> Any:
+    """The sum of one variable's gradients from several replicas (or micro-batches).
+
+    Dense: ``tf.add_n``. ``tf.IndexedSlices``: their rows concatenated (what
+    ``tf.distribute`` does with them: a gather, not a dense [V, D] sum), repeated rows
+    left to :func:`deduplicate`. Mixed: dense.
+    """
+    parts = list(parts)
+    if not any(isinstance(g, tf.IndexedSlices) for g in parts):
+        return tf.add_n(parts) if len(parts) > 1 else parts[0]
+    if all(isinstance(g, tf.IndexedSlices) for g in parts):
+        return tf.IndexedSlices(tf.concat([g.values for g in parts], 0),
+                                tf.concat([tf.cast(g.indices, tf.int64) for g in parts], 0),
+                                parts[0].dense_shape)
+    return tf.add_n([tf.convert_to_tensor(g) for g in parts])
+
+
+def deduplicate(grad):
+    """A ``tf.IndexedSlices`` with every row once (repeated rows summed); other
+    gradients unchanged. Needed before the norm (``tf.linalg.global_norm`` squares the
+    rows as given: two halves of one row count less than the row) and before optimizers
+    that square the gradient (Adagrad)."""
+    if not isinstance(grad, tf.IndexedSlices):
+        return grad
+    rows, index = tf.unique(tf.cast(grad.indices, tf.int64), out_idx=tf.int64)
+    values = tf.math.unsorted_segment_sum(grad.values, index, tf.size(rows, out_type=tf.int64))
+    return tf.IndexedSlices(values, rows, grad.dense_shape)
+
+
+def scale(grad, factor: tf.Tensor):
+    """``factor * grad``; a ``tf.IndexedSlices`` keeps its rows (only ``values`` scale)."""
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * factor, grad.indices, grad.dense_shape)
+    return grad * factor
+
+
+def squared_norm(grad) -> tf.Tensor:
+    """``|grad|^2`` (a deduplicated ``tf.IndexedSlices``: of its rows)."""
+    values = grad.values if isinstance(grad, tf.IndexedSlices) else grad
+    return tf.reduce_sum(tf.square(values))
 
 
 def detach_state(state):

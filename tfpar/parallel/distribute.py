@@ -72,7 +72,9 @@ class DistributePlugin(StrategyPlugin):
             global_count = ctx.all_reduce(SUM, losses.token_count(batch["targets"]))
             grads, nll_sum, count, final = step.replica_gradients(
                 model, batch, global_count, state, training=True)
-            summed = ctx.all_reduce(SUM, grads)
+            # tf.IndexedSlices (the sampled softmax's) are all-reduced as a gather of
+            # every replica's rows; the sum of repeated rows follows, on each replica.
+            summed = [step.deduplicate(g) for g in ctx.all_reduce(SUM, grads)]
             if SUM_ONCE:
                 grads = summed
             return grads, nll_sum, count, tf.linalg.global_norm(summed), final
@@ -85,7 +87,7 @@ class DistributePlugin(StrategyPlugin):
         summed_already(optimizer)
 
         def replica(grads):
-            optimizer.apply_gradients(zip([g * factor for g in grads], variables))
+            optimizer.apply_gradients(zip([step.scale(g, factor) for g in grads], variables))
 
         self.strategy.run(replica, args=(grads,))
 

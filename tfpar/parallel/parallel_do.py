@@ -77,9 +77,10 @@ class ParallelDo(StrategyPlugin):
             lambda *parts: tf.concat([p[:n] for p, n in zip(parts, sizes)], 0), *finals)
 
     def reduce_gradients(self, grads: list[list[tf.Tensor]], variables) -> list[tf.Tensor]:
-        """Merge: the sum of the replicas' gradients, on the variable device."""
+        """Merge: the sum of the replicas' gradients, on the variable device
+        (``tf.IndexedSlices``: their rows gathered, repeated rows summed)."""
         with tf.device(self.variable_device), tf.name_scope("controller_reduce"):
-            return [tf.add_n(list(g)) for g in zip(*grads)]
+            return [step.deduplicate(step.sum_gradients(g)) for g in zip(*grads)]
 
     def gradients(self, model, batch, state):
         with tf.device(self.variable_device):
@@ -96,7 +97,7 @@ class ParallelDo(StrategyPlugin):
         """Once, on the variable device; the Keras optimizer, used outside any
         ``tf.distribute`` strategy, all-reduces nothing."""
         with tf.device(self.variable_device), tf.name_scope("update"):
-            optimizer.apply_gradients(zip([g * factor for g in grads], variables))
+            optimizer.apply_gradients(zip([step.scale(g, factor) for g in grads], variables))
 
     def losses(self, model, batch, state):
         outs, sizes = self.run(

@@ -158,7 +158,8 @@ def loss_and_grads(model, batch: dict):
       batch: {"inputs": [B, T], "targets": [B, T]}, a whole global batch.
 
     Returns:
-      ``(grads, nll_sum, count)``, one dense gradient per ``model.trainable_variables``.
+      ``(grads, nll_sum, count)``, one gradient per ``model.trainable_variables``
+      (``tf.IndexedSlices`` with unique rows for the sampled softmax's tables).
     """
     parts = [shard_parts(v) for v in model.trainable_variables]
     flat, nll_sum, count, _ = step.replica_gradients(
@@ -168,8 +169,27 @@ def loss_and_grads(model, batch: dict):
     for group in parts:
         pieces = flat[i:i + len(group)]
         i += len(group)
-        grads.append(pieces[0] if len(pieces) == 1 else tf.concat(pieces, axis=0))
+        grads.append(step.deduplicate(_join_shards(pieces, group)))
     return grads, nll_sum, count
+
+
+def _join_shards(pieces: list, shards: list):
+    """One variable's gradient from its shards' (concatenated by rows): dense pieces
+    concatenated, ``tf.IndexedSlices`` pieces with their row ids moved by the shards'
+    offsets."""
+    if len(pieces) == 1:
+        return pieces[0]
+    if not all(isinstance(p, tf.IndexedSlices) for p in pieces):
+        return tf.concat([tf.convert_to_tensor(p) for p in pieces], axis=0)
+    offsets, rows = [], 0
+    for shard in shards:
+        offsets.append(rows)
+        rows += int(shard.shape[0])
+    shape = tf.constant([rows] + [int(d) for d in shards[0].shape[1:]], tf.int64)
+    return tf.IndexedSlices(
+        tf.concat([p.values for p in pieces], 0),
+        tf.concat([tf.cast(p.indices, tf.int64) + o for p, o in zip(pieces, offsets)], 0),
+        shape)
 
 
 def apply_update(optimizer, grads, variables) -> None:
@@ -276,7 +296,7 @@ class Coordinator:
             # The one update (clip, finite guard): a non-finite gradient never reaches
             # the parameters, nor the step count.
             step.update(norm, nll_sum, clip_norm, lambda factor: apply_update(
-                optimizer, [g * factor for g in grads], model.trainable_variables))
+                optimizer, [step.scale(g, factor) for g in grads], model.trainable_variables))
             return dict(nll_sum=nll_sum, count=count, grad_norm=norm)
 
         @tf.function

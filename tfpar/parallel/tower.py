@@ -47,6 +47,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar.config import DistConfig
+from tfpar.objective import step
 from tfpar.parallel import devices as devices_lib
 from tfpar.parallel.parallel_do import ParallelDo
 
@@ -72,6 +73,26 @@ class TowerPlugin(ParallelDo):
         return super().reduce_gradients(grads, variables)
 
     def _ring_sum(self, tower_grads: list[list[tf.Tensor]], shapes: list) -> list[tf.Tensor]:
+        sparse = [isinstance(g, tf.IndexedSlices) for g in tower_grads[0]]
+        dense = [i for i, s in enumerate(sparse) if not s]
+        # The variable device takes the copy of the tower it shares a device with.
+        source = next((i for i, d in enumerate(self.devices)
+                       if devices_lib.same_device(d, self.variable_device)), 0)
+        out = [None] * len(shapes)
+        if dense:
+            summed = self._ring_sum_dense([[g[i] for i in dense] for g in tower_grads],
+                                          [shapes[i] for i in dense], source)
+            for i, g in zip(dense, summed):
+                out[i] = g
+        for i in (i for i, s in enumerate(sparse) if s):
+            # tf.IndexedSlices have no fixed length to cut into chunks: their rows go
+            # round the ring whole (an all-gather), and every tower sums the same rows.
+            gathered = ring_all_gather([g[i] for g in tower_grads], self.devices)
+            with tf.device(self.variable_device), tf.name_scope("ring_result"):
+                out[i] = step.deduplicate(step.sum_gradients(gathered[source]))
+        return out
+
+    def _ring_sum_dense(self, tower_grads, shapes, source):
         # Static sizes (from the variables: some gradients of the RNN loop have none).
         sizes = [int(np.prod(s)) for s in shapes]
         vectors = []
@@ -80,12 +101,29 @@ class TowerPlugin(ParallelDo):
                 vectors.append(tf.concat(
                     [tf.reshape(g, [size]) for g, size in zip(grads, sizes)], axis=0))
         reduced = ring_all_reduce(vectors, self.devices)
-        # The variable device takes the copy of the tower it shares a device with.
-        source = next((i for i, d in enumerate(self.devices)
-                       if devices_lib.same_device(d, self.variable_device)), 0)
         with tf.device(self.variable_device), tf.name_scope("ring_result"):
             parts = tf.split(reduced[source], sizes)
             return [tf.reshape(p, s) for p, s in zip(parts, shapes)]
+
+
+def ring_all_gather(slices: list[tf.IndexedSlices], device_names: list[str]) -> list[list]:
+    """Every device's ``tf.IndexedSlices`` on every device, passed round the ring: at
+    step s (K-1 steps) device i hands device i+1 the piece of device (i - s) mod K.
+
+    Returns:
+      Per device, the K pieces in device order (a copy of each on that device).
+    """
+    k = len(device_names)
+    held = [{i: slices[i]} for i in range(k)]
+    for s in range(k - 1):
+        for i in range(k):
+            dst, origin = (i + 1) % k, (i - s) % k
+            piece = held[i][origin]
+            with tf.device(device_names[dst]), tf.name_scope(f"ring_all_gather_sparse_{s}"):
+                held[dst][origin] = tf.IndexedSlices(tf.identity(piece.values),
+                                                     tf.identity(piece.indices),
+                                                     piece.dense_shape)
+    return [[held[d][i] for i in range(k)] for d in range(k)]
 
 
 def ring_all_reduce(vectors: list[tf.Tensor], device_names: list[str]) -> list[tf.Tensor]:

@@ -142,11 +142,26 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "defaults)")
     g.add_argument("--precision", default="fp32",
                    help="fp32 | bf16 (large matmuls in bfloat16, for CPUs with AMX/AVX512-BF16)")
+    g.add_argument("--softmax", default="full",
+                   help="the training loss: full (every word's logit) | sampled "
+                        "(tf.nn.sampled_softmax_loss over each target and --num-sampled "
+                        "log-uniform candidates, one draw per step shared by every replica; "
+                        "for vocabularies of 100k+ words; gradients of the embedding and "
+                        "softmax stay sparse). Evaluation, score, generate and the export "
+                        "always use the full softmax (default: %(default)s)")
+    g.add_argument("--num-sampled", type=int, default=None, metavar="K",
+                   help="--softmax sampled: candidates per step, 1 <= K < vocabulary size "
+                        f"(default: {cfg.DEFAULT_NUM_SAMPLED}; an error without "
+                        "--softmax sampled)")
 
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
-    g.add_argument("--optimizer", default="sgd", help="sgd | adam (default: sgd)")
+    g.add_argument("--optimizer", default="sgd",
+                   help="sgd | adam | adagrad (default: sgd). With --softmax sampled the "
+                        "embedding and softmax gradients are sparse: sgd (no momentum) and "
+                        "adagrad update only the rows a step touched; adam updates every "
+                        "row (its moments decay everywhere), and so does --weight-decay"),
     g.add_argument("--lr", type=float, default=20.0,
                    help="learning rate (default: 20, for plain SGD on the per-token mean "
                         "loss; Adam wants about 1e-3)")
@@ -279,7 +294,7 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
             dropout_hidden=a.dropout_hidden, dropout_output=a.dropout_output,
             locked_dropout=a.locked_dropout, embed_dropout=a.embed_dropout,
             weight_drop=a.weight_drop, tie_embeddings=a.tie_embeddings, init_scale=a.init_scale,
-            precision=a.precision,
+            precision=a.precision, softmax=a.softmax, num_sampled=a.num_sampled,
         ),
         train=cfg.TrainConfig(
             optimizer=a.optimizer, lr=a.lr, lr_decay=a.lr_decay, decay_after=a.decay_after,

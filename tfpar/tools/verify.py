@@ -89,6 +89,12 @@ class VerifySpec:
     locked_dropout: bool = False
     embed_dropout: float = 0.0
     weight_drop: float = 0.0
+    # The training loss: "full", or "sampled" with num_sampled shared candidates per step
+    # (every strategy must draw the same ones); evaluation is always the full softmax.
+    softmax: str = "full"
+    num_sampled: int = 20
+    # Share the embedding with the softmax (the sampled loss then reads the embedding).
+    tie_embeddings: bool = False
     # Generated corpus size (sentences); words are drawn from a 100-word language.
     train_sentences: int = 400
     valid_sentences: int = 60
@@ -198,7 +204,10 @@ def build_setup(spec: VerifySpec) -> Setup:
     model_config = ModelConfig(cell=spec.cell, layers=spec.layers, embed_dim=spec.embed_dim,
                                hidden_dim=spec.hidden_dim, dropout=spec.dropout,
                                locked_dropout=spec.locked_dropout,
-                               embed_dropout=spec.embed_dropout, weight_drop=spec.weight_drop)
+                               embed_dropout=spec.embed_dropout, weight_drop=spec.weight_drop,
+                               tie_embeddings=spec.tie_embeddings, softmax=spec.softmax,
+                               num_sampled=spec.num_sampled if spec.softmax == "sampled" else None)
+    model_config.check_vocab_size(len(data.vocab))
     with tf.device("/cpu:0"):
         model = build_model(model_config, len(data.vocab), seed=spec.seed)
         weights = model.get_weights()
@@ -211,16 +220,23 @@ def build_setup(spec: VerifySpec) -> Setup:
 
 def initial_gradient_norms(model, data: InputData, batch_size: int, count: int) -> list[float]:
     """The global gradient norms of the first ``count`` training batches (epoch 0, in the
-    order training reads them) at the initial weights."""
+    order training reads them) at the initial weights; batch k with step k's sampled-
+    softmax candidates, the ones training draws for it (dropout stays off)."""
     batches = data.batches("train", training=True, epoch=0, batch_size=batch_size)
+    at = tf.Variable(0, dtype=tf.int64, trainable=False)
+    model.noise.step = lambda: at
 
     @tf.function(reduce_retracing=True)  # Traced, like every train step.
     def norm(batch):
         grads, *_ = step.replica_gradients(model, batch, token_count(batch["targets"]), None,
                                            training=False)
-        return tf.linalg.global_norm(grads)
+        return tf.linalg.global_norm([step.deduplicate(g) for g in grads])
 
-    return [float(norm(batch)) for batch in batches.take(count)]
+    norms = []
+    for k, batch in enumerate(batches.take(count)):
+        at.assign(k)
+        norms.append(float(norm(batch)))
+    return norms
 
 
 # ------------------------------------------------------------------------- runners
@@ -484,6 +500,16 @@ def parser() -> argparse.ArgumentParser:
                    help="word-type dropout rate (default 0: off)")
     p.add_argument("--weight-drop", type=float, default=0.0,
                    help="DropConnect rate on the recurrent matrices (default 0: off)")
+    p.add_argument("--softmax", default="full", choices=("full", "sampled"),
+                   help="the training loss: full | sampled (tf.nn.sampled_softmax_loss with "
+                        "--num-sampled log-uniform candidates per step, which every replica "
+                        "and micro-batch must draw alike); eval is always the full softmax "
+                        "(default: %(default)s)")
+    p.add_argument("--num-sampled", type=int, default=None, metavar="K",
+                   help="--softmax sampled: candidates per step, 1 <= K < the vocabulary "
+                        "(about 100 words) (default: 20)")
+    p.add_argument("--tie-embeddings", action="store_true",
+                   help="share the embedding with the softmax (default: untied)")
     p.add_argument("--json", default="", metavar="PATH",
                    help="also write the rows as a JSON list of {strategy, replicas, "
                         "max_abs_param_diff, eval_ppl_rel_diff}")
@@ -493,13 +519,17 @@ def parser() -> argparse.ArgumentParser:
 
 
 def spec_from_args(a: argparse.Namespace) -> VerifySpec:
+    if a.num_sampled is not None and a.softmax != "sampled":
+        raise ConfigError(f"--num-sampled {a.num_sampled} only applies to the sampled "
+                          "softmax; add --softmax sampled or drop --num-sampled")
     return VerifySpec(
         strategies=parse_strategies(a.strategies), steps=a.steps, batch_size=a.batch_size,
         mode=a.mode, clip_norm=a.clip_norm, lr=a.lr, momentum=a.momentum, tolerance=a.tolerance,
         eval_tolerance=a.eval_tolerance, seed=a.seed, embed_dim=a.embed_dim,
         hidden_dim=a.hidden_dim, layers=a.layers, dropout=a.dropout,
         locked_dropout=a.locked_dropout, embed_dropout=a.embed_dropout,
-        weight_drop=a.weight_drop,
+        weight_drop=a.weight_drop, softmax=a.softmax, tie_embeddings=a.tie_embeddings,
+        **({} if a.num_sampled is None else {"num_sampled": a.num_sampled}),
     )
 
 

@@ -99,6 +99,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     corpus = load_corpus(config.data, seed=config.train.seed)
     read = time.time()
     vocab, lengths = load_vocab(config, corpus)
+    config.model.check_vocab_size(len(vocab))
     timings = {"corpus_seconds": read - started, "vocab_seconds": time.time() - read}
     with checkpoints.open_model_dir(config, plugin.is_chief, vocab=vocab) as model_dir:
         return _train(config, plugin, model_dir, corpus=corpus, vocab=vocab, lengths=lengths,

@@ -55,6 +55,8 @@ def optimizer_factory(config: Config, num_replicas: int):
         decay = config.train.weight_decay or None
         if config.train.optimizer == "sgd":
             return keras.optimizers.SGD(learning_rate=schedule, weight_decay=decay)
+        if config.train.optimizer == "adagrad":
+            return keras.optimizers.Adagrad(learning_rate=schedule, weight_decay=decay)
         return keras.optimizers.Adam(learning_rate=schedule, weight_decay=decay)
 
     return make

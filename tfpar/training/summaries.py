@@ -276,7 +276,9 @@ class EpochInspector:
         def norms(batch):
             count = tf.reduce_sum(tf.cast(batch["targets"] != 0, tf.float32))
             grads, _, _, _ = step.replica_gradients(copy, batch, count, training=False)
-            return tf.stack([tf.norm(g) for g in grads])
+            # A sampled softmax's sparse rows: the norm of the summed rows, never densified.
+            return tf.stack([tf.sqrt(step.squared_norm(step.deduplicate(g)))
+                             if isinstance(g, tf.IndexedSlices) else tf.norm(g) for g in grads])
 
         self._norms = norms
 

@@ -212,7 +212,7 @@ class PipelinePlugin(StrategyPlugin):
             with tf.device(s.device), tf.name_scope(f"{s.scope}/clip"):
                 for i, v in enumerate(variables):
                     if owner[id(v)] == s.index:
-                        scaled[i] = grads[i] * factor
+                        scaled[i] = step.scale(grads[i], factor)
         with tf.name_scope("update"):  # TF runs each update where its weight lives.
             optimizer.apply_gradients(zip(scaled, variables))
 
@@ -292,10 +292,9 @@ class PipelinePlugin(StrategyPlugin):
                 continue
             with tf.device(s.device), tf.name_scope(f"{s.scope}/accumulate"):
                 for v in mine:
-                    summed[id(v)] = _sum(grads[id(v)])
+                    summed[id(v)] = _sum(grads[id(v)], sparse=step.sparse_gradients(model))
                 # This stage's share of the squared global norm: one scalar leaves it.
-                partials.append(tf.add_n([tf.reduce_sum(tf.square(summed[id(v)]))
-                                          for v in mine]))
+                partials.append(tf.add_n([step.squared_norm(summed[id(v)]) for v in mine]))
         with tf.device(self.stages[0].device), tf.name_scope("global_norm"):
             norm = tf.sqrt(tf.add_n(partials))
         return [summed[id(v)] for v in model.trainable_variables], norm
@@ -327,6 +326,10 @@ class PipelinePlugin(StrategyPlugin):
             for part in stage.parts:
                 if part == EMBEDDING:
                     x, mask = model.embed(mb.inputs, training=training, rows=mb.rows)
+                elif part == SOFTMAX and training and model.config.softmax == "sampled":
+                    # The sampled softmax: every micro-batch draws the step's candidates.
+                    nll, count = step.sampled_loss(model, x, mb.targets)
+                    out.update(nll=nll, count=count, loss=nll / global_count)
                 elif part == SOFTMAX:
                     # Tokens flattened to [b*T, V] and [b*T]: on 3-D logits of unknown
                     # size TF adds a run-time shape Assert, and a tf.function chains all
@@ -409,12 +412,16 @@ def _owners(model, stage_vars: list[list]) -> dict[int, int]:
     return owner
 
 
-def _sum(grads: list):
+def _sum(grads: list, *, sparse: bool):
     """Sum of one weight's gradients from every micro-batch (and stage).
 
-    Embedding gradients come as ``IndexedSlices``: they are concatenated and made dense
-    once, instead of building one dense [V, E] tensor per micro-batch.
+    Embedding gradients come as ``IndexedSlices``: with ``sparse`` (the sampled softmax)
+    they stay so, rows gathered and repeated rows summed (``step.sum_gradients``,
+    ``step.deduplicate``); otherwise they are concatenated and made dense once, instead
+    of building one dense [V, E] tensor per micro-batch.
     """
+    if sparse:
+        return step.deduplicate(step.sum_gradients(grads))
     if any(isinstance(g, tf.IndexedSlices) for g in grads):
         sparse = [g for g in grads if isinstance(g, tf.IndexedSlices)]
         dense = [g for g in grads if not isinstance(g, tf.IndexedSlices)]

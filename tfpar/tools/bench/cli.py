@@ -41,6 +41,13 @@ def parser() -> argparse.ArgumentParser:
                         "peak RSS, time to the first step, vocabulary MB/s and tokens/s")
     p.add_argument("--scaling-corpus", default="",
                    help="corpus folder for --corpus-scaling (default: ../shared/data/wikitext-2)")
+    p.add_argument("--sampled-softmax", action="store_true",
+                   help="instead of the throughput benchmark: training tokens/s with a "
+                        "793,471-word vocabulary and --softmax sampled --num-sampled 8192 "
+                        "against a 10k vocabulary with the full softmax (same model, "
+                        "generated Zipf corpora, interleaved rounds; target: ratio >= 1/3), "
+                        "and the sampled model's valid perplexity under the full softmax "
+                        "(--tiny: toy vocabularies)")
     p.add_argument("--serve", default="", help=argparse.SUPPRESS)  # child process (internal)
     p.add_argument("--worker-task", default="", help=argparse.SUPPRESS)  # loopback worker
     return p
@@ -97,6 +104,22 @@ def corpus_scaling_main(args: argparse.Namespace) -> int:
     return 1 if args.check and missed else 0
 
 
+def sampled_softmax_main(args: argparse.Namespace) -> int:
+    """``--sampled-softmax``: prints the report (and writes ``--json``); exit 1 under
+    ``--check`` when the target is missed."""
+    from tfpar.parallel import devices
+    from tfpar.tools.bench import sampled
+    from tfpar.tools.bench.report import write_json
+
+    devices.configure_cpu_devices(1)
+    results = sampled.run(spec_from_args(args), sampled.TINY if args.tiny else sampled.Sizes())
+    print(sampled.format_report(results))
+    if args.json:
+        write_json(args.json, results)
+    missed = [n for n, t in results["targets"].items() if not t["pass"]]
+    return 1 if args.check and missed else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``scripts/benchmark.py``: exit 0; 1 when a contender failed (``error: contender
     <name> failed: ...`` on stderr, one line each) or, under ``--check``, a target is
@@ -117,6 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def body():
         if args.corpus_scaling:
             return corpus_scaling_main(args)
+        if args.sampled_softmax:
+            return sampled_softmax_main(args)
         spec = spec_from_args(args)
         from tfpar.parallel import devices
         from tfpar.tools.bench.contenders import ContenderFailed

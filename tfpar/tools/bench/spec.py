@@ -28,6 +28,10 @@ TARGETS: dict[str, tuple[str, float]] = {
 # Checked only when the run has --loopback-workers (the scaling model against N
 # processes on this host): |predicted / measured step time - 1|.
 LOOPBACK_TARGETS: dict[str, tuple[str, float]] = {"scaling_model_max_error": ("<=", 0.25)}
+# Checked by --sampled-softmax (tfpar.tools.bench.sampled): training tokens/s with a
+# 793,471-word vocabulary and the sampled softmax over that with a 10k vocabulary and the
+# full softmax, same model, interleaved in one run.
+SAMPLED_TARGETS: dict[str, tuple[str, float]] = {"sampled_huge_vs_full_10k": (">=", 1 / 3)}
 NOT_AVAILABLE = "not available"
 
 
@@ -60,6 +64,10 @@ class BenchSpec:
     # Generated corpus size when `data` is "synthetic" (train sentences).
     synthetic_sentences: int = 20000
     seed: int = 0
+    # The training loss of the tfpar contenders (ModelConfig.softmax, .num_sampled);
+    # --sampled-softmax sets them for its huge-vocabulary contender.
+    softmax: str = "full"
+    num_sampled: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("layers", "embed_dim", "hidden_dim", "batch_size", "bptt", "rounds",

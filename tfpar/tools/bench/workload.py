@@ -42,8 +42,9 @@ class Setup:
         return np.concatenate(parts)
 
 
-def load_setup(spec: BenchSpec) -> Setup:
-    """Reads (or generates) the corpus and builds the vocabulary and the input data."""
+def load_setup(spec: BenchSpec, *, vocab_file: str | None = None) -> Setup:
+    """Reads (or generates) the corpus and builds the vocabulary (or reads
+    ``vocab_file``, used whole) and the input data."""
     from tfpar.config import DataConfig
     from tfpar.data.sources import load_corpus
     from tfpar.data.pipeline import InputData
@@ -60,7 +61,8 @@ def load_setup(spec: BenchSpec) -> Setup:
                              synthetic_valid=max(1, spec.synthetic_sentences // 10),
                              synthetic_test=max(1, spec.synthetic_sentences // 10))
     corpus = load_corpus(data_config, seed=spec.seed)
-    vocab = Vocab.build(corpus.splits["train"], max_size=spec.vocab_size)
+    vocab = (Vocab.load(vocab_file) if vocab_file else
+             Vocab.build(corpus.splits["train"], max_size=spec.vocab_size))
     stream = InputData(corpus.splits, vocab, data_config, seed=spec.seed)
     sentence = InputData(corpus.splits, vocab, dataclasses.replace(data_config, mode="sentence"),
                          seed=spec.seed)
@@ -72,7 +74,8 @@ def model_config(spec: BenchSpec, precision: str | None = None):
     from tfpar.config import ModelConfig
 
     return ModelConfig(layers=spec.layers, embed_dim=spec.embed_dim, hidden_dim=spec.hidden_dim,
-                       precision=precision or spec.precision)
+                       precision=precision or spec.precision, softmax=spec.softmax,
+                       num_sampled=spec.num_sampled)
 
 
 def fixed_windows(stream: np.ndarray, bptt: int) -> tuple[np.ndarray, np.ndarray]:
