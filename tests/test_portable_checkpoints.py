@@ -35,37 +35,63 @@ def weights(model_dir):
     return checkpoint_tensors(model_dir)
 
 
+# The runs that never moved checkpoint every LEG steps, so a moved run can be compared
+# with one at every step it changes strategy at; one per mode, as long as the longest run.
+LEG, TAIL = 12, 50
+LONGEST = {"sentence": 3 * LEG + TAIL, "stream": 2 * LEG + TAIL}
+
+
 @pytest.fixture(scope="module")
 def still(module_tiny_corpus, tmp_path_factory):
-    """``still(mode, steps)``: the tensors of a default run that never moved (cached)."""
+    """``still(mode, step)``: the tensors of a default run that never moved, at ``step``
+    (a multiple of LEG, or LONGEST[mode]; one run per mode, cached)."""
     runs = {}
 
-    def get(mode, steps):
-        if (mode, steps) not in runs:
-            model_dir = tmp_path_factory.mktemp(f"still-{mode}-{steps}")
-            run(module_tiny_corpus, model_dir, "default", steps, mode)
-            runs[mode, steps] = weights(model_dir)
-        return runs[mode, steps]
+    def get(mode, step):
+        if mode not in runs:
+            model_dir = tmp_path_factory.mktemp(f"still-{mode}")
+            every = ["--checkpoint-every", str(LEG), "--keep-checkpoints", "100"]
+            assert train_main(flags(module_tiny_corpus, model_dir, LONGEST[mode], mode)
+                              + STRATEGIES["default"] + every) == 0
+            runs[mode] = model_dir
+        return tensors_at(runs[mode], step)
 
     return get
 
 
-@pytest.mark.parametrize("mode,first,second", [
-    ("sentence", "mirrored:2", "tower:3"),
-    ("sentence", "tower:3", "pipeline"),
-    ("sentence", "pipeline", "parallel_do:2"),
-    ("stream", "mirrored:2", "tower:3"),
-    ("stream", "pipeline", "mirrored:2"),
-])
-def test_a_checkpoint_moves_between_strategies(mode, first, second, tiny_corpus_dir, still,
-                                               tmp_path):
-    # 50 steps past the move, for a small difference to grow.
-    run(tiny_corpus_dir, tmp_path / "moved", first, 12, mode)
-    run(tiny_corpus_dir, tmp_path / "moved", second, 62, mode)
-    want, got = still(mode, 62), weights(tmp_path / "moved")
-    assert got.keys() == want.keys() and any(k.startswith("moments/") for k in got)
-    assert int(got["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"]) == 62
-    assert worst_difference(got, want) <= 1e-5
+def tensors_at(model_dir, step):
+    """:func:`checkpoint_tensors` of ``model_dir``'s checkpoint of ``step``."""
+    import numpy as np
+    import tensorflow as tf
+
+    from tfpar.tools.faults import BOOKKEEPING
+
+    reader = tf.train.load_checkpoint(str(model_dir / "checkpoints" / f"ckpt-{step}"))
+    keys = sorted(k for k in reader.get_variable_to_shape_map() if not k.startswith(BOOKKEEPING))
+    return {k: np.asarray(reader.get_tensor(k)) for k in keys}
+
+
+# A chain of moves in one model dir: LEG steps under each strategy, then TAIL (50) steps
+# under the last one, so every move is followed by at least 50 steps for a small
+# difference to grow. Moves covered: sentence mirrored:2 -> tower:3 -> pipeline ->
+# parallel_do:2; stream pipeline -> mirrored:2 -> tower:3. (One chain instead of one
+# case per move: the moves are the same, the runs from scratch to the first move are
+# shared.)
+@pytest.mark.parametrize("mode,chain", [
+    ("sentence", ["mirrored:2", "tower:3", "pipeline", "parallel_do:2"]),
+    ("stream", ["pipeline", "mirrored:2", "tower:3"]),
+], ids=lambda value: "-".join(value) if isinstance(value, list) else value)
+def test_a_checkpoint_moves_between_strategies(mode, chain, tiny_corpus_dir, still, tmp_path):
+    steps = 0
+    for i, strategy in enumerate(chain):
+        steps += TAIL if i == len(chain) - 1 else LEG
+        run(tiny_corpus_dir, tmp_path / "moved", strategy, steps, mode)
+        want, got = still(mode, steps), weights(tmp_path / "moved")
+        where = f"{' -> '.join(chain[:i + 1])} at step {steps}"
+        assert got.keys() == want.keys() and any(k.startswith("moments/") for k in got), where
+        assert int(got["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"]) == steps, where
+        assert worst_difference(got, want) <= 1e-5, where
+    assert steps == LONGEST[mode]
 
 
 def worst_difference(got, want) -> float:
@@ -99,6 +125,6 @@ def test_a_checkpoint_moves_into_and_out_of_a_multi_worker_job(tiny_corpus_dir, 
     assert int(weights(tmp_path / "moved")["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"]) \
         == 24
     run(tiny_corpus_dir, tmp_path / "moved", "default", 74, "stream")
-    want, got = still("stream", 74), weights(tmp_path / "moved")
+    want, got = still("stream", 74), weights(tmp_path / "moved")  # 74 == LONGEST["stream"]
     assert got.keys() == want.keys()
     assert worst_difference(got, want) <= 1e-5
