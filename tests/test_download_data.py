@@ -109,7 +109,7 @@ def test_downloads_verifies_and_reads(tiny_ptb, tmp_path, capsys):
     for split, data in TINY.items():
         assert (folder / f"ptb.{split}.txt").read_bytes() == data
     corpus = corpora.resolve_named("ptb", input_dir=tmp_path / "in")
-    assert corpus.train == ["the cat sat", "the dog ran"]
+    assert corpus.lines("train") == ["the cat sat", "the dog ran"]
 
 
 def test_second_run_is_a_no_op(tiny_ptb, tmp_path, capsys):

@@ -291,12 +291,19 @@ def generate_text(loaded, prompts: list[str], *, max_tokens: int, temperature: f
     return [t.decode("utf-8") for t in out["text"].numpy()]
 
 
-def score_lines(loaded, lines: list[str], batch_size: int = 64) -> tuple[float, float]:
-    """Total (nll, tokens) of ``lines`` by a loaded SavedModel's ``score`` signature;
-    the perplexity is ``exp(nll / tokens)``."""
+def score_lines(loaded, lines, batch_size: int = 64) -> tuple[float, float]:
+    """Total (nll, tokens) of ``lines`` (a list of strings, or a
+    ``tfpar.data.text.TextSplit`` streamed from its files) by a loaded SavedModel's
+    ``score`` signature; the perplexity is ``exp(nll / tokens)``."""
+    from tfpar.data.text import TextSplit, lines as split_lines
+
+    if isinstance(lines, TextSplit):
+        batches = split_lines(lines).batch(batch_size)
+    else:
+        batches = (tf.constant(lines[i:i + batch_size]) for i in range(0, len(lines), batch_size))
     nll = tokens = 0.0
-    for start in range(0, len(lines), batch_size):
-        out = loaded.signatures["score"](text=tf.constant(lines[start:start + batch_size]))
+    for batch in batches:
+        out = loaded.signatures["score"](text=batch)
         nll += float(out["nll"].numpy().astype("float64").sum())
         tokens += float(out["tokens"].numpy().sum())
     return nll, tokens
