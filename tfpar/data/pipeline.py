@@ -51,7 +51,8 @@ import tensorflow as tf
 
 from tfpar.config import DataConfig
 from tfpar.errors import DataError
-from tfpar.data.text import TextSplit, cut, iterate_lines, line_batches, write_splits
+from tfpar.data.text import (TextSplit, cut, iterate_lines, line_batches, segment_lines,
+                             segment_table, write_splits)
 from tfpar.data.tokenize import split_tokens
 from tfpar.data.vocab import EOS_ID, PAD_ID, Vocab, train_counts
 
@@ -319,40 +320,49 @@ class InputData:
     def stream_batches(self, split: str, batch_size: int) -> tf.data.Dataset:
         """Global batches of ``split`` in stream mode: ``batch_size`` rows, each a
         contiguous byte range of the split (``tfpar.data.text.cut``) read as one token
-        stream, ``bptt`` steps at a time (see the module docstring)."""
+        stream, ``bptt`` steps at a time (see the module docstring). One row function,
+        traced once, reads every row; the rows are read in turn, a window each."""
         bptt = self.config.bptt
         rows = cut(self.splits[split], batch_size)
+        segments = [(r, seg) for r, row in enumerate(rows) for seg in row.segments]
+        owner = tf.constant([r for r, _ in segments] or [0], tf.int64)[:len(segments)]
+        table = segment_table([seg for _, seg in segments]) if segments else None
         pad = tf.fill([bptt + 1], tf.constant(PAD_ID, tf.int32))
-        padded = [
-            self._row_windows(row).map(lambda w: (w, True)).concatenate(
-                tf.data.Dataset.from_tensors((pad, False)).repeat())
-            for row in rows
-        ]
-        ds = tf.data.Dataset.zip(tuple(padded)).take_while(
-            lambda *rows_: tf.reduce_any(tf.stack([alive for _, alive in rows_])))
+        ended = tf.data.Dataset.from_tensors((pad, False)).repeat()
 
-        def window(*rows_):
-            w = tf.stack([ids for ids, _ in rows_])  # [B, bptt + 1]
+        def row_windows(r):
+            if table is None:
+                return ended
+            mine = tf.data.Dataset.zip((tf.data.Dataset.from_tensor_slices(owner), table)) \
+                .filter(lambda who, _: tf.equal(who, r)).map(lambda _, seg: seg)
+            lines = mine.flat_map(segment_lines)
+            return self._windows(lines).map(lambda w: (w, True)).concatenate(ended)
+
+        ds = tf.data.Dataset.range(batch_size).interleave(
+            row_windows, cycle_length=batch_size, block_length=1, deterministic=True)
+        ds = ds.batch(batch_size).take_while(lambda w, alive: tf.reduce_any(alive))
+
+        def window(w, alive):  # w: [B, bptt + 1]
             # The last windows of a row are shorter: trailing columns of padding go.
             length = tf.reduce_max(tf.reduce_sum(tf.cast(w != PAD_ID, tf.int32), axis=1))
             return {"inputs": w[:, :length - 1], "targets": w[:, 1:length]}
 
         return ds.map(window)
 
-    def _row_windows(self, row: TextSplit) -> tf.data.Dataset:
-        """One row's token stream (each line's ids then ``<eos>``) as [bptt + 1] windows
-        overlapping by one token; the last is padded with ``<pad>``. A row of fewer than
-        two tokens has none."""
+    def _windows(self, lines: tf.data.Dataset) -> tf.data.Dataset:
+        """One row's [k] line batches → its token stream (each line's ids then
+        ``<eos>``) as [bptt + 1] windows overlapping by one token; the last is padded
+        with ``<pad>``. A row of fewer than two tokens has none."""
         bptt = self.config.bptt
         table = self.vocab.lookup_table()
         tokenizer = self.vocab.tokenizer
 
-        def ids(lines):
-            line_ids = tokenize(lines, table, tokenizer=tokenizer)
+        def ids(line_batch):
+            line_ids = tokenize(line_batch, table, tokenizer=tokenizer)
             eos = tf.RaggedTensor.from_tensor(tf.fill([line_ids.nrows(), 1], EOS_ID))
             return tf.concat([line_ids, eos], axis=1).flat_values, False
 
-        chunks = line_batches(row).map(ids).concatenate(
+        chunks = lines.map(ids).concatenate(
             tf.data.Dataset.from_tensors((tf.zeros([0], tf.int32), True)))
         columns = tf.range(bptt + 1)
 
