@@ -356,13 +356,15 @@ def run_args(corpus, out, *extra):
             "--metrics-json", str(out / "metrics.json"), *DIVERGE, *extra]
 
 
-def batches_per_epoch(corpus) -> int:
+def batches_per_epoch(corpus, pipelines: int = 1) -> int:
+    """Steps of an epoch; with several input pipelines (multi_worker) each reads its own
+    lines, and the epoch lasts as long as the longest's (InputData.shared_batches)."""
     from tfpar.data.sources import load_corpus
 
     config = DataConfig(source=str(corpus))
     loaded = load_corpus(config, seed=3)
     data = InputData(loaded.splits, Vocab.build(loaded.splits["train"]), config, seed=3)
-    return count_batches(data.batches("train", training=True, batch_size=16))
+    return count_batches(data.batches("train", training=True, batch_size=16, shares=pipelines))
 
 
 def checkpoint_tensors(model_dir) -> dict[str, np.ndarray]:
@@ -518,7 +520,7 @@ def test_multi_worker_skip_keeps_step_1_state(corpus, tmp_path):
     (tmp_path / "ref").mkdir()
     (tmp_path / "skip").mkdir()
     reference, log = run_cluster_pair(corpus, tmp_path, ["--workers", "2"], "multi_worker")
-    batches = batches_per_epoch(corpus)
+    batches = batches_per_epoch(corpus, pipelines=2)
     for worker in (0, 1):  # both workers saw the same all-reduced norm and skipped
         skipped = [line for line in log.splitlines()
                    if line.startswith(f"[worker {worker}] ") and "skipped (--on-nan skip)" in line]
