@@ -38,7 +38,6 @@ log = logging.getLogger("tfpar.tools.bench")
 HUGE_VOCAB = 793_471  # lm1b's vocabulary, specials included
 FULL_VOCAB = 10_000
 NUM_SAMPLED = 8192
-SPECIALS = ("<pad>", "<unk>", "<eos>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +63,8 @@ def write_zipf_corpus(folder: str, vocab_size: int, *, train_tokens: int, valid_
     """``train.txt``, ``valid.txt``, ``test.txt`` of Zipf-distributed words (P(rank r)
     proportional to 1/(r + 1)) in sentences of 1-40 words, and ``vocab.txt`` (the three
     specials, then the ``vocab_size - 3`` words by rank); returns the vocabulary file."""
+    from tfpar.data.vocab import SPECIALS
+
     os.makedirs(folder, exist_ok=True)
     rng = np.random.default_rng(seed)
     words = vocab_size - len(SPECIALS)
