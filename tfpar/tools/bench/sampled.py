@@ -74,7 +74,7 @@ def write_zipf_corpus(folder: str, vocab_size: int, *, train_tokens: int, valid_
     for split, tokens in (("train", train_tokens), ("valid", valid_tokens),
                           ("test", valid_tokens)):
         ids = np.minimum(np.searchsorted(cdf, rng.random(tokens)), words - 1)
-        lengths = rng.integers(1, 41, size=tokens // 20 + 1)
+        lengths = rng.integers(1, 41, size=tokens)  # enough sentences for any draw
         ends = np.minimum(np.cumsum(lengths), tokens)
         lines = [" ".join(names[ids[a:b]]) for a, b in zip(np.r_[0, ends[:-1]], ends) if b > a]
         with open(os.path.join(folder, f"{split}.txt"), "w", encoding="utf-8") as f:
