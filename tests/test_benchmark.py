@@ -465,3 +465,39 @@ def test_corpus_scaling_errors_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: --scaling-corpus '{tmp_path}' has no valid file")
     assert len(err.splitlines()) == 1
+
+
+def test_zipf_corpus_and_vocabulary_file(tmp_path):
+    from tfpar.data.vocab import Vocab
+    from tfpar.tools.bench.sampled import write_zipf_corpus
+
+    path = write_zipf_corpus(str(tmp_path), 50, train_tokens=2000, valid_tokens=100, seed=0)
+    vocab = Vocab.load(path)
+    assert len(vocab) == 50 and vocab.tokens[:4] == ("<pad>", "<unk>", "<eos>", "w0")
+    assert vocab.tokens[-1] == "w46"
+    words = (tmp_path / "train.txt").read_text().split()
+    assert len(words) == 2000 and len((tmp_path / "valid.txt").read_text().split()) == 100
+    counts = {w: words.count(w) for w in ("w0", "w1", "w9")}
+    assert counts["w0"] > counts["w1"] > counts["w9"] > 0  # Zipf: by rank
+
+
+def test_sampled_softmax_run_times_both_vocabularies_and_evaluates_with_the_full_softmax(
+        tmp_path):
+    """--sampled-softmax --tiny: both contenders timed, the ratio checked against its
+    target, the sampled model's valid perplexity over every one of its V logits."""
+    path = tmp_path / "s.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["--sampled-softmax", "--tiny", "--check", "--json", str(path)])
+    results = json.loads(path.read_text())
+    assert (results["sampled_huge"]["vocab_size"], results["full_10k"]["vocab_size"]) == (600, 60)
+    assert results["sampled_huge"]["num_sampled"] == 40
+    ratio = results["sampled_huge_vs_full_10k"]
+    assert ratio == pytest.approx(results["sampled_huge"]["tokens_per_sec"]
+                                  / results["full_10k"]["tokens_per_sec"])
+    assert set(results["targets"]) == set(bench_spec.SAMPLED_TARGETS)
+    assert code == (0 if results["targets"]["sampled_huge_vs_full_10k"]["pass"] else 1)
+    e = results["eval"]
+    assert e["softmax"] == "full" and e["eval_logits_width"] == 600
+    assert 1 < e["valid_ppl"] < 2 * 600 and e["valid_tokens"] > 200
+    assert "full softmax over 600 words" in printed.getvalue()

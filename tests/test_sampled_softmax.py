@@ -60,24 +60,45 @@ def test_probabilities_are_tensorflows_log_uniform_sampler():
         pytest.approx(1.0, rel=1e-9)
 
 
-def test_expected_counts_are_the_inclusion_frequencies_of_unique_sampling():
-    """Over many keys, how often class k is among the K candidates matches the expected
-    count the loss subtracts (1 - (1 - P(k))^tries, averaged over the draws)."""
-    k, runs = 12, 400
-    hits, expected = np.zeros(V), np.zeros(V)
+def test_candidates_are_drawn_as_tensorflows_unique_sampler_draws_them():
+    """Over many draws, how often each class is among the K candidates: the same for
+    this sampler (over keys) as for tf.random.log_uniform_candidate_sampler (stateful)."""
+    k, runs = 12, 1000
 
     @tf.function
-    def draw(i):
-        c = sampling.log_uniform_candidates(tf.stack([tf.constant(5, tf.int64), i]), k, V)
-        return c.ids, c.expected_count(tf.range(V))
+    def ours(i):
+        return sampling.log_uniform_candidates(
+            tf.stack([tf.constant(5, tf.int64), i]), k, V).ids
 
+    @tf.function
+    def theirs():
+        return tf.random.log_uniform_candidate_sampler(
+            tf.zeros([1, 1], tf.int64), 1, k, True, V)[0]
+
+    mine, tfs = np.zeros(V), np.zeros(V)
     for i in range(runs):
-        ids, counts = draw(tf.constant(i, tf.int64))
-        hits[ids.numpy()] += 1
-        expected += counts.numpy()
-    # Bernoulli frequencies of 400 runs: standard error <= 0.025.
-    np.testing.assert_allclose(hits / runs, expected / runs, atol=0.08)
-    assert hits[0] / runs > 0.9 and hits[V - 1] / runs < 0.2  # log-uniform: head first
+        mine[ours(tf.constant(i, tf.int64)).numpy()] += 1
+        tfs[theirs().numpy()] += 1
+    # Two Bernoulli frequencies of 1000 runs: the difference's standard error <= 0.023.
+    np.testing.assert_allclose(mine / runs, tfs / runs, atol=0.1)
+    assert mine[0] / runs > 0.85 and mine[V - 1] / runs < 0.15  # log-uniform: head first
+
+
+def test_expected_counts_are_tensorflows_for_the_same_tries():
+    """TF's unique sampler reports 1 - (1 - P(k))^tries for its candidates and the true
+    classes; with its tries (read back from one of its counts) ours are the same."""
+    labels = tf.constant([[0], [3], [17], [59]], tf.int64)
+    ids, true_count, sampled_count = tf.random.log_uniform_candidate_sampler(
+        labels, 1, 30, True, V, seed=1)  # 30 of 60: repeats, tries > K
+    p = sampling.log_uniform_probability(ids, V).numpy()
+    tries = np.log1p(-sampled_count.numpy().astype(np.float64)) / np.log1p(-p)
+    n = int(round(float(np.median(tries))))
+    assert n > 30 and np.allclose(tries, n, rtol=1e-3)
+    c = sampling.Candidates(ids, tf.constant(n, tf.int64), 30, V)
+    np.testing.assert_allclose(c.expected_count(ids).numpy(), sampled_count.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(c.expected_count(labels).numpy(), true_count.numpy(), rtol=1e-5)
+    exact = sampling.Candidates(ids, tf.constant(30, tf.int64), 30, V)  # tries == K: K * P
+    np.testing.assert_allclose(exact.expected_count(ids).numpy(), 30 * p, rtol=1e-6)
 
 
 # ------------------------------------------------------------------ the loss

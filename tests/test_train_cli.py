@@ -405,6 +405,7 @@ def test_sampled_softmax_trains_evaluates_with_the_full_softmax_and_exports(tiny
     assert (stored["model"]["softmax"], stored["model"]["num_sampled"]) == ("sampled", 10)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["steps"] == 6 and np.isfinite(metrics["train_ppl"])
+    assert metrics["train_softmax"] == "sampled"  # train_ppl: the sampled estimate
     valid = (Path(tiny_args[tiny_args.index("--data") + 1]) / "valid.txt").read_text().split("\n")
     scored = tf.saved_model.load(metrics["export_path"]).signatures["score"](
         text=tf.constant([line for line in valid if line.strip()]))

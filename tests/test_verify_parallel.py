@@ -243,9 +243,9 @@ def test_verify_fails_when_replicas_key_masks_by_their_local_rows(monkeypatch, c
 
 def test_verify_passes_with_the_sampled_softmax_and_fails_per_replica_candidates(
         monkeypatch, capsys):
-    """``--softmax sampled``: mirrored matches one device because every replica draws the
-    same candidates; with TF's stateful sampler (each replica its own draw) it does not."""
-    argv = ["--strategies", "mirrored:2", "--softmax", "sampled", "--num-sampled", "10",
+    """``--softmax sampled``: towers match one device because every tower draws the same
+    candidates; with TF's stateful sampler (each tower its own draw) they do not."""
+    argv = ["--strategies", "tower:2", "--softmax", "sampled", "--num-sampled", "10",
             "--tie-embeddings", *SMALL]
     assert verify.main(argv) == 0
     assert "all 1 strategies match default" in capsys.readouterr().out
@@ -260,7 +260,7 @@ def test_verify_passes_with_the_sampled_softmax_and_fails_per_replica_candidates
 
     monkeypatch.setattr(step.sampling, "log_uniform_candidates", stateful)
     assert verify.main(argv) == 1
-    assert "FAIL mirrored:2: max |dtheta|" in capsys.readouterr().out
+    assert "FAIL tower:2: max |dtheta|" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv,message", [

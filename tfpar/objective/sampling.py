@@ -62,13 +62,17 @@ def log_uniform_probability(classes: tf.Tensor, range_max: int) -> tf.Tensor:
     return tf.math.log((k + 2.0) / (k + 1.0)) / tf.math.log1p(tf.cast(range_max, tf.float64))
 
 
-def _draw(key: tf.Tensor, chunk: tf.Tensor, size: int, range_max: int) -> tf.Tensor:
-    """Chunk ``chunk`` of the draw sequence: ``size`` log-uniform ids in [0, V), int64."""
-    u = tf.random.stateless_uniform([size], seed=tf.random.experimental.stateless_fold_in(
-        key, chunk), dtype=tf.float64, alg=ALG)
+def _draw(key: tf.Tensor, size: tf.Tensor, range_max: int) -> tf.Tensor:
+    """The first ``size`` draws of the key's sequence: log-uniform ids in [0, V), int64.
+    Philox is counter-based, so a longer draw starts with a shorter one."""
+    u = tf.random.stateless_uniform(tf.reshape(size, [1]), seed=key, dtype=tf.float64, alg=ALG)
     ids = tf.cast(tf.floor(tf.exp(u * tf.math.log1p(tf.cast(range_max, tf.float64)))),
                   tf.int64) - 1
     return tf.clip_by_value(ids, 0, range_max - 1)
+
+
+def _distinct(draws: tf.Tensor) -> tf.Tensor:
+    return tf.shape(tf.unique(draws).y, out_type=tf.int64)[0]
 
 
 def log_uniform_candidates(key: tf.Tensor, num_sampled: int, range_max: int) -> Candidates:
@@ -85,25 +89,16 @@ def log_uniform_candidates(key: tf.Tensor, num_sampled: int, range_max: int) -> 
     """
     if not 1 <= num_sampled < range_max:
         raise ValueError(f"num_sampled {num_sampled} must be in [1, {range_max})")
-    # Draws come in chunks; one chunk of 2K usually suffices (K = 8192 of V = 793,471
-    # takes ~16,000 draws), the loop adds chunks until K distinct ids are seen.
-    size = 2 * num_sampled + 64
-
-    def distinct(draws):
-        return tf.size(tf.unique(draws).y, out_type=tf.int64)
-
-    def more(chunk, draws):
-        return distinct(draws) < num_sampled
-
-    def add(chunk, draws):
-        return chunk + 1, tf.concat([draws, _draw(key, chunk, size, range_max)], 0)
-
-    first = _draw(key, tf.constant(0, tf.int64), size, range_max)
-    _, draws = tf.while_loop(more, add, (tf.constant(1, tf.int64), first),
-                             shape_invariants=(tf.TensorShape([]), tf.TensorShape([None])))
+    # How many draws to look at: 2K + 64 usually suffices (K = 8192 of V = 793,471 takes
+    # ~16,000 draws); doubled until K distinct ids are among them (K near V takes many).
+    (size,) = tf.while_loop(
+        lambda n: _distinct(_draw(key, n, range_max)) < num_sampled, lambda n: (2 * n,),
+        (tf.constant(2 * num_sampled + 64, tf.int64),))
+    draws = _draw(key, size, range_max)  # [size], its static length unknown
     # tf.unique lists ids in the order they first occur; the K-th one ends the tries.
     unique, index = tf.unique(draws, out_idx=tf.int64)
-    positions = tf.range(tf.size(draws, out_type=tf.int64))
-    first_seen = tf.math.unsorted_segment_min(positions, index, tf.size(unique))
+    positions = tf.range(tf.shape(draws, out_type=tf.int64)[0])
+    first_seen = tf.math.unsorted_segment_min(positions, index,
+                                              tf.shape(unique, out_type=tf.int64)[0])
     return Candidates(tf.ensure_shape(unique[:num_sampled], [num_sampled]),
                       first_seen[num_sampled - 1] + 1, num_sampled, range_max)

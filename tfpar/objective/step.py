@@ -12,6 +12,12 @@ replica's rows run) and *aggregation* (how the replicas' gradients become one)::
                   if |g| and the loss are finite: theta <- optimizer(c * g)
                   else: nothing changes
 
+With ``--softmax sampled`` the embedding's and the softmax's gradients are
+``tf.IndexedSlices`` (the rows a step touched) all the way: summed as gathers of rows
+(:func:`sum_gradients`), repeated rows summed once (:func:`deduplicate`) before the norm,
+clipped by scaling their values (:func:`scale`) and applied sparsely by the optimizer; the
+candidates are drawn from (seed, step), the same on every replica (:func:`sampled_loss`).
+
 Because each replica differentiates ``nll_r / N`` with ``N`` the *global* count, the plain
 sum of the replicas' gradients is the gradient one device computes on the whole batch,
 however unevenly the real tokens are spread. Clipping uses the norm of that sum, which is
@@ -60,8 +66,9 @@ class StepOutput:
 class Aggregated:
     """A strategy's aggregated gradient, before the update.
 
-    ``grads`` is in the form the same strategy's ``apply`` takes: one tensor per
-    trainable variable (tower, pipeline), or per-replica values that the optimizer
+    ``grads`` is in the form the same strategy's ``apply`` takes: one tensor (or, with
+    the sampled softmax, deduplicated ``tf.IndexedSlices``) per trainable variable (tower,
+    pipeline), or per-replica values that the optimizer
     all-reduces as it applies them (``tf.distribute``). ``norm`` is always the global norm
     of the *summed* gradient.
     """

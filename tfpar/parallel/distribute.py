@@ -6,7 +6,9 @@ is all-reduced before the gradients (every replica divides by the global count),
 the gradients are all-reduced once: their sum gives the global norm (for the clip factor)
 and is what every replica's optimizer applies, told not to sum again (Keras 3's
 ``apply_gradients`` all-reduces in a replica context by itself, which would be a second
-all-reduce of every gradient each step; see :func:`summed_already`).
+all-reduce of every gradient each step; see :func:`summed_already`). Sparse gradients
+(``tf.IndexedSlices``, the sampled softmax's) all-reduce as a gather of every replica's
+rows, then each replica sums repeated rows (``step.deduplicate``) before the norm.
 """
 
 from __future__ import annotations

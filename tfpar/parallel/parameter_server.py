@@ -290,6 +290,10 @@ class Coordinator:
                  ", ".join(sharded) or "none (tables are partitioned into shards of >= %d KiB)"
                  % (MIN_SHARD_BYTES >> 10))
 
+        # Dropout masks and sampled-softmax candidates are keyed by the step (as in
+        # step.one_update): the count on the ps when a worker starts its step.
+        model.noise.step = lambda: optimizer.iterations
+
         def replica_step(batch):
             grads, nll_sum, count = loss_and_grads(model, batch)
             norm = tf.linalg.global_norm(grads)

@@ -37,7 +37,8 @@ gradient). Clipping comes after the sum, and the Keras optimizer, used outside a
 devices (reduce-scatter, then all-gather): each tower flattens its gradients into one
 vector and cuts it into K chunks; every step, tower i sends one chunk to tower i+1, so
 each link carries 2(K-1)/K of one gradient in total instead of the controller receiving K
-whole gradients. Variables live in one place here, so the variable device takes its
+whole gradients; sparse gradients (the sampled softmax's ``tf.IndexedSlices``, of no fixed
+length) go round the ring whole instead, an all-gather. Variables live in one place here, so the variable device takes its
 copy of the result from the tower it shares a device with (tower 0 otherwise).
 """
 

@@ -9,7 +9,9 @@ divide; the clip norm is the median gradient norm of the first steps, so clipped
 unclipped steps are both exercised. Dropout is off unless asked for (``--dropout``,
 ``--locked-dropout``, ``--embed-dropout``, ``--weight-drop``): its masks are keyed by
 each row's place in the global batch (``tfpar.model.noise``), so with dropout on too N
-devices must give one device's update.
+devices must give one device's update. ``--softmax sampled`` trains with the sampled
+softmax, whose candidates every replica and micro-batch must draw alike (from the seed and
+the step, ``tfpar.objective.sampling``); evaluation stays the full softmax.
 
 Strategies are table-driven: :data:`RUNNERS` maps a name to a :class:`Runner` whose
 function trains N steps and returns a :class:`RunResult`. A new strategy adds one entry.

@@ -175,6 +175,9 @@ def _final_metrics(config, plugin, corpus, vocab, progress, model_dir, steps) ->
         "steps": steps,
         "tokens_per_sec": progress.tokens / progress.seconds if progress.seconds else None,
         "train_ppl": perplexity(progress.nll, progress.count),
+        # "sampled": train_ppl is exp of the sampled-softmax training loss, an estimate and
+        # no perplexity; valid and test always use the full softmax.
+        "train_softmax": config.model.softmax,
         "skipped_batches": progress.skipped,
         # None (null in the JSON) for a --vocab-file vocabulary, which has no counts.
         "unigram_valid_ppl": vocab.unigram_perplexity(corpus.splits["valid"])

@@ -18,7 +18,9 @@ and on one corpus (PTB when it is there, else the generated corpus):
 * the roofline: this host's matmul rate for each of the step's shapes, every contender's
   fraction of that limit, and the step split into its softmax and RNN parts;
 * the scaling model's tables for GPUs and workers, checked (``--loopback-workers``)
-  against multi_worker processes on loopback.
+  against multi_worker processes on loopback;
+* with ``--sampled-softmax`` instead: the sampled softmax on a 793,471-word vocabulary
+  against the full softmax on 10k words (``sampled``).
 
 The host is shared and its load varies, so every contender is timed in short segments
 and the segments are interleaved round-robin (the order rotates every round); each
@@ -38,6 +40,7 @@ Modules, one job each (each imports only the ones above it)::
     breakdown    the step's softmax and RNN parts timed alone, against their limit
     remote       the child process hosting the two-device contenders (--serve)
     workers      the loopback multi_worker job the scaling model is checked with
+    sampled      --sampled-softmax: Zipf corpora, the 793k sampled and 10k full contenders
     measure      interleaved rounds, paired steps and segments, padding; run()
     report       the printed report, the JSON file, the PNG chart
     cli          the flags and main() (scripts/benchmark.py, python -m tfpar.tools.bench)

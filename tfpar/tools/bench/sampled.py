@@ -38,7 +38,6 @@ log = logging.getLogger("tfpar.tools.bench")
 HUGE_VOCAB = 793_471  # lm1b's vocabulary, specials included
 FULL_VOCAB = 10_000
 NUM_SAMPLED = 8192
-SPECIALS = ("<pad>", "<unk>", "<eos>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +63,8 @@ def write_zipf_corpus(folder: str, vocab_size: int, *, train_tokens: int, valid_
     """``train.txt``, ``valid.txt``, ``test.txt`` of Zipf-distributed words (P(rank r)
     proportional to 1/(r + 1)) in sentences of 1-40 words, and ``vocab.txt`` (the three
     specials, then the ``vocab_size - 3`` words by rank); returns the vocabulary file."""
+    from tfpar.data.vocab import SPECIALS
+
     os.makedirs(folder, exist_ok=True)
     rng = np.random.default_rng(seed)
     words = vocab_size - len(SPECIALS)
@@ -73,7 +74,7 @@ def write_zipf_corpus(folder: str, vocab_size: int, *, train_tokens: int, valid_
     for split, tokens in (("train", train_tokens), ("valid", valid_tokens),
                           ("test", valid_tokens)):
         ids = np.minimum(np.searchsorted(cdf, rng.random(tokens)), words - 1)
-        lengths = rng.integers(1, 41, size=tokens // 20 + 1)
+        lengths = rng.integers(1, 41, size=tokens)  # enough sentences for any draw
         ends = np.minimum(np.cumsum(lengths), tokens)
         lines = [" ".join(names[ids[a:b]]) for a, b in zip(np.r_[0, ends[:-1]], ends) if b > a]
         with open(os.path.join(folder, f"{split}.txt"), "w", encoding="utf-8") as f:
