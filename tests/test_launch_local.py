@@ -183,8 +183,11 @@ def test_parameter_server_survives_a_lost_worker_then_a_lost_ps(tmp_path):
     """A worker SIGKILLed mid-run is started again alone and the coordinator re-schedules
     its steps (no job restart); later the ps task is SIGKILLed: the whole job restarts
     and resumes from the last checkpoint. Both end with the requested steps."""
-    # Long enough (~20 s of steps) for the lost worker to be back well before the end.
-    max_steps, every = 900, 50
+    # Long enough for the lost worker to be back well before the end: in a trial on a
+    # busy 2-core host it was back 5 s after its kill (at ckpt-50) and the first
+    # checkpoint after its recovery was ckpt-85, so 450 leaves 5x that; the restarted
+    # job trains the rest.
+    max_steps, every = 450, 50
     job = Launched(tmp_path, ["--workers", "2", "--ps", "1", "--restarts", "1"],
                    small_run(tmp_path, "parameter_server", max_steps, every, "--epochs", "20",
                              *PINNED, "--embed-dim", "32", "--hidden-dim", "64"))
