@@ -178,6 +178,14 @@ def test_resolve_named_missing_says_how_to_download(tmp_path):
         corpora.resolve_named("wikitext2", input_dir=tmp_path)
 
 
+def test_lm1b_missing_says_how_to_download(tmp_path):
+    expected = (f"corpus 'lm1b' is missing: {tmp_path / 'lm1b'} does not exist; download it "
+                f"with: python scripts/download_data.py lm1b --input-dir {tmp_path} (or pass "
+                "--data DIR)")
+    with pytest.raises(DataError, match=re.escape(expected)):
+        corpora.load_text_corpus("lm1b", input_dir=tmp_path)
+
+
 def test_resolve_named_default_input_dir_gives_plain_command(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(DataError, match=r"download it with: python scripts/download_data\.py "

@@ -291,7 +291,8 @@ def resolve_named(name: str, *, input_dir: str | os.PathLike = "input") -> Corpu
     """Reads a known corpus from ``input_dir/<name>/``.
 
     Args:
-        name: A known corpus name (``ptb``, ``wikitext-2``) or an alias (``wikitext2``).
+        name: A known corpus name (``ptb``, ``wikitext-2``, ``lm1b``) or an alias
+            (``wikitext2``).
         input_dir: The folder that holds one subfolder per named corpus.
 
     Returns:
@@ -301,7 +302,8 @@ def resolve_named(name: str, *, input_dir: str | os.PathLike = "input") -> Corpu
         DataError: If the name is unknown, its folder is missing (the message says how to
             download it), or the folder cannot be read (see :func:`read_text_dir`).
     """
-    canonical = canonical_name(name)
+    # An archive corpus (lm1b) is found the same way, its folder read as a layout.
+    canonical = canonical_name(name) or (name if name in KNOWN_ARCHIVES else None)
     if canonical is None:
         raise DataError(
             f"unknown corpus name {name!r}; expected one of: {_known_names()} (or pass "
@@ -450,15 +452,8 @@ def load_text_corpus(source: str, *, input_dir: str | os.PathLike = "input",
                 f"data source {source!r} names no TFDS dataset; use tfds:NAME, "
                 "e.g. tfds:tiny_shakespeare")
         return load_tfds(name, data_dir=tfds_data_dir)
-    if canonical_name(source) is not None:
+    if canonical_name(source) is not None or source in KNOWN_ARCHIVES:
         return resolve_named(source, input_dir=input_dir)
-    if source == "lm1b":  # downloaded as an archive (KNOWN_ARCHIVES), read as a layout
-        folder = Path(input_dir) / "lm1b"
-        if not folder.exists():
-            raise DataError(
-                f"corpus 'lm1b' is missing: {folder} does not exist; download it with: "
-                "python scripts/download_data.py lm1b (or pass --data DIR)")
-        return dataclasses.replace(read_text_dir(folder), name="lm1b")
     if layouts.parse_split_globs(source) is not None and not os.path.exists(source):
         return read_text_dir(source)
     if not os.path.exists(source):

@@ -69,6 +69,18 @@ def tokenize(lines: tf.Tensor, table: tf.lookup.StaticHashTable, *,
     return tf.cast(tf.ragged.map_flat_values(table.lookup, words), tf.int32)
 
 
+def with_eos(ids: tf.RaggedTensor, *, before: bool = False) -> tf.RaggedTensor:
+    """[N, (n_i)] ids → each row followed (and, ``before``, also preceded) by ``<eos>``."""
+    eos = tf.RaggedTensor.from_tensor(tf.fill([ids.nrows(), 1], EOS_ID))
+    return tf.concat([eos, ids, eos] if before else [ids, eos], axis=1)
+
+
+def stream_ids(lines: tf.Tensor, table: tf.lookup.StaticHashTable, *,
+               tokenizer: str) -> tf.Tensor:
+    """[N] lines → [M] int32: a stream-mode token stream, each line's ids then ``<eos>``."""
+    return with_eos(tokenize(lines, table, tokenizer=tokenizer)).flat_values
+
+
 def sentence_lengths(lines: Sequence[str], *, tokenizer: str) -> np.ndarray:
     """[N] lines → [N] int64 predicted tokens per line in sentence mode: tokens + one
     ``<eos>``."""
@@ -134,7 +146,7 @@ def shard_rows(batch: dict, num_shards: int, index: int | tf.Tensor) -> dict:
     """
     start, size = shard_bounds(tf.shape(batch["targets"])[0], num_shards, index)
     if "rows" not in batch:
-        batch = {**batch, "rows": tf.range(tf.shape(batch["targets"])[0], dtype=tf.int32)}
+        batch = with_rows(batch, 0)
     # An empty shard becomes one all-padding row: Keras RNN kernels reject 0-row
     # batches, and a padding row contributes exactly zero loss and zero gradient.
     return {
@@ -158,16 +170,17 @@ def at_least_one_row(batch: dict) -> dict:
     batches of 0 rows until every pipeline has ended (which Keras RNN kernels reject).
     """
     rows = tf.shape(batch["targets"])[0]
+    return {k: tf.cond(rows > 0, lambda v=v: v, lambda v=v: _pad_row(v)) for k, v in batch.items()}
 
-    def one_row(value):
-        shape = tf.concat([[1], tf.maximum(tf.shape(value)[1:], 1)], axis=0)
-        return tf.fill(shape, tf.constant(PAD_ID, value.dtype))
 
-    return {k: tf.cond(rows > 0, lambda v=v: v, lambda v=v: one_row(v)) for k, v in batch.items()}
+def with_rows(batch: dict, first) -> dict:
+    """``batch`` with "rows" [b] int32: its rows are global rows ``first, first + 1, …``."""
+    return {**batch, "rows": first + tf.range(tf.shape(batch["targets"])[0], dtype=tf.int32)}
 
 
 def _pad_row(value: tf.Tensor) -> tf.Tensor:
-    shape = tf.concat([[1], tf.shape(value)[1:]], axis=0)
+    """One row of padding shaped like ``value``'s rows (at least one time step)."""
+    shape = tf.concat([[1], tf.maximum(tf.shape(value)[1:], 1)], axis=0)
     return tf.fill(shape, tf.constant(PAD_ID, value.dtype))
 
 
@@ -193,8 +206,7 @@ def per_replica(batches: tf.data.Dataset, input_context=None, *,
                 lambda i: shard_rows(batch, total, tf.cast(first + i, tf.int32)))
     else:
         def slices(batch):
-            n = tf.shape(batch["targets"])[0]
-            batch = {**batch, "rows": rows[0] + tf.range(n, dtype=tf.int32)}
+            batch = with_rows(batch, rows[0])
             return tf.data.Dataset.range(local).map(
                 lambda i: shard_rows(batch, local, tf.cast(i, tf.int32)))
 
@@ -266,10 +278,7 @@ class InputData:
         tokenizer = self.vocab.tokenizer
 
         def encode(line_batch):
-            ids = tokenize(line_batch, table, tokenizer=tokenizer)
-            eos = tf.fill([ids.nrows(), 1], EOS_ID)
-            eos = tf.RaggedTensor.from_tensor(eos)
-            full = tf.concat([eos, ids, eos], axis=1)
+            full = with_eos(tokenize(line_batch, table, tokenizer=tokenizer), before=True)
             return {"inputs": full[:, :-1], "targets": full[:, 1:]}
 
         ds = lines.map(encode, num_parallel_calls=AUTOTUNE).unbatch()
@@ -339,7 +348,7 @@ class InputData:
             return self._windows(lines).map(lambda w: (w, True)).concatenate(ended)
 
         ds = tf.data.Dataset.range(batch_size).interleave(
-            row_windows, cycle_length=batch_size, block_length=1, deterministic=True)
+            row_windows, cycle_length=batch_size, block_length=1)
         ds = ds.batch(batch_size).take_while(lambda w, alive: tf.reduce_any(alive))
 
         def window(w, alive):  # w: [B, bptt + 1]
@@ -357,13 +366,8 @@ class InputData:
         table = self.vocab.lookup_table()
         tokenizer = self.vocab.tokenizer
 
-        def ids(line_batch):
-            line_ids = tokenize(line_batch, table, tokenizer=tokenizer)
-            eos = tf.RaggedTensor.from_tensor(tf.fill([line_ids.nrows(), 1], EOS_ID))
-            return tf.concat([line_ids, eos], axis=1).flat_values, False
-
-        chunks = lines.map(ids).concatenate(
-            tf.data.Dataset.from_tensors((tf.zeros([0], tf.int32), True)))
+        chunks = lines.map(lambda b: (stream_ids(b, table, tokenizer=tokenizer), False))
+        chunks = chunks.concatenate(tf.data.Dataset.from_tensors((tf.zeros([0], tf.int32), True)))
         columns = tf.range(bptt + 1)
 
         def step(carry, chunk):
@@ -391,16 +395,16 @@ class InputData:
 
         What one device trains on to repeat a ``shares``-worker run exactly (the verify
         tool's multi_worker reference)."""
+        ended = tf.data.Dataset.from_tensors(({
+            "inputs": tf.zeros([0, 1], tf.int32), "targets": tf.zeros([0, 1], tf.int32),
+            "rows": tf.zeros([0], tf.int32)}, False)).repeat()
         parts = []
         for index in range(shares):
             first, rows = pipeline_rows(batch_size, _Context(shares, shares, index))
             ds = self.sentence_batches(split, rows, shuffle=shuffle, epoch=epoch,
                                        pipelines=shares, index=index)
-            ended = {"inputs": tf.zeros([0, 1], tf.int32), "targets": tf.zeros([0, 1], tf.int32),
-                     "rows": tf.zeros([0], tf.int32)}
-            parts.append(ds.map(lambda b, first=first: (
-                {**b, "rows": first + tf.range(tf.shape(b["targets"])[0], dtype=tf.int32)},
-                True)).concatenate(tf.data.Dataset.from_tensors((ended, False)).repeat()))
+            parts.append(ds.map(lambda b, first=first: (with_rows(b, first), True))
+                         .concatenate(ended))
 
         def join(*parts_):
             length = tf.reduce_max([tf.shape(b["targets"])[1] for b, _ in parts_])

@@ -7,7 +7,7 @@ start; a whole file is one segment. :func:`line_batches` reads segments with
 lines in TF ops, so reading a range in the middle of a 10 GB file costs only that range::
 
     file:      |line 0\\nline 1\\nline 2\\nline 3\\nline 4\\n|
-    segments:  [---- train -----------)[- valid -)[ test )     (cut_file: byte shares,
+    segments:  [---- row 0 ---------)[---- row 1 ----------)     (cut: about equal bytes,
                                                               moved to the next line start)
     records:   [64 KiB][64 KiB] ... [rest]["\\n"]              (one final "\\n": a last line
                                                               without a line break ends too)
@@ -32,7 +32,6 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 import tensorflow as tf
 
-SPLITS = ("train", "valid", "test")
 # Bytes per record read by line_batches; each becomes one batch of lines.
 RECORD_BYTES = 1 << 16
 BOM = "\ufeff".encode("utf-8")
@@ -141,22 +140,6 @@ def cut(split: TextSplit, parts: int) -> list[TextSplit]:
     return pieces
 
 
-def cut_file(path: str | os.PathLike, fractions: Sequence[float]) -> dict[str, TextSplit]:
-    """One file cut into train, valid and test: contiguous blocks of whole lines, in that
-    order, holding about ``fractions`` of its bytes (each block ends at the first line
-    start at or after its share's end)."""
-    whole = TextSplit.of_files([path])
-    total = whole.nbytes
-    b1 = round(total * fractions[0])
-    b2 = round(total * (fractions[0] + fractions[1]))
-    path = os.fspath(path)
-    c1 = next_line_start(path, b1, total)
-    c2 = max(next_line_start(path, b2, total), c1)
-    ranges = {"train": (0, c1), "valid": (c1, c2), "test": (c2, total)}
-    return {name: TextSplit((Segment(path, a, b, total),) if b > a else ())
-            for name, (a, b) in ranges.items()}
-
-
 # ----------------------------------------------------------------------------- reading
 def _segment_records(path, start, end, size) -> tf.data.Dataset:
     """Bytes ``[start, end)`` of ``path`` (``size`` bytes) as string records of at most
@@ -215,7 +198,7 @@ def line_batches(split: TextSplit, *, interleave: bool = False) -> tf.data.Datas
         return tf.data.Dataset.from_tensors(tf.constant([], tf.string)).take(0)
     cycle = len(split.segments) if interleave else 1
     return segment_table(split.segments).interleave(
-        segment_lines, cycle_length=cycle, block_length=1, deterministic=True)
+        segment_lines, cycle_length=cycle, block_length=1)
 
 
 def lines(split: TextSplit) -> tf.data.Dataset:

@@ -28,17 +28,13 @@ class Setup:
         """[N] int32 numpy: ``split`` as one token stream (each line's ids, then
         ``<eos>``), for the plain-Keras baseline that trains from arrays in memory."""
         import numpy as np
-        import tensorflow as tf
 
-        from tfpar.data.pipeline import tokenize
+        from tfpar.data.pipeline import stream_ids
         from tfpar.data.text import line_batches
-        from tfpar.data.vocab import EOS_ID
 
         table, parts = self.vocab.lookup_table(), [np.zeros([0], np.int32)]
         for lines in line_batches(self.splits[split]):
-            ids = tokenize(lines, table, tokenizer=self.vocab.tokenizer)
-            eos = tf.RaggedTensor.from_tensor(tf.fill([ids.nrows(), 1], EOS_ID))
-            parts.append(tf.concat([ids, eos], axis=1).flat_values.numpy())
+            parts.append(stream_ids(lines, table, tokenizer=self.vocab.tokenizer).numpy())
         return np.concatenate(parts)
 
 
