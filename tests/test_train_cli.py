@@ -100,6 +100,7 @@ def cli_error(argv, capsys):
     (["--epochs", "-1"], "error: epochs must be > 0, got -1"),
     (["--batch-size", "0"], "error: batch-size must be > 0, got 0"),
     (["--hidden-dim", "0"], "error: hidden-dim must be > 0, got 0"),
+    (["--shuffle-buffer", "0"], "error: shuffle-buffer must be > 0, got 0"),
     (["--vocab-size", "3"], "error: vocab-size 3 is too small"),
     (["--intra-op-threads", "-1"], "error: intra-op-threads must be >= 0, got -1"),
     (["--weight-decay", "-1"], "error: weight-decay must be >= 0, got -1.0"),
