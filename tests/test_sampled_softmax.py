@@ -91,9 +91,12 @@ def test_expected_counts_are_tensorflows_for_the_same_tries():
     ids, true_count, sampled_count = tf.random.log_uniform_candidate_sampler(
         labels, 1, 30, True, V, seed=1)  # 30 of 60: repeats, tries > K
     p = sampling.log_uniform_probability(ids, V).numpy()
-    tries = np.log1p(-sampled_count.numpy().astype(np.float64)) / np.log1p(-p)
+    count = sampled_count.numpy().astype(np.float64)
+    tries = np.log1p(-count) / np.log1p(-p)
     n = int(round(float(np.median(tries))))
-    assert n > 30 and np.allclose(tries, n, rtol=1e-3)
+    # Inverting a float32 count near 1 (a frequent id: 1 - (1 - P)^n rounds up) loses the
+    # digits; the other counts each give the tries back.
+    assert n > 30 and np.allclose(tries[count < 0.99], n, rtol=1e-3)
     c = sampling.Candidates(ids, tf.constant(n, tf.int64), 30, V)
     np.testing.assert_allclose(c.expected_count(ids).numpy(), sampled_count.numpy(), rtol=1e-5)
     np.testing.assert_allclose(c.expected_count(labels).numpy(), true_count.numpy(), rtol=1e-5)
