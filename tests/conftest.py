@@ -50,6 +50,23 @@ def write_tiny_corpus(folder):
     return folder
 
 
+def write_sharded_corpus(folder, sentences=(1000, 50, 50), train_shards=4):
+    """The generated corpus of ``--synthetic-sentences`` as a folder of split folders,
+    train cut into ``train_shards`` files (line k in file k % train_shards)."""
+    from tfpar.data.synthetic import SyntheticSpec, generate_corpus
+
+    corpus = generate_corpus(SyntheticSpec(train_sentences=sentences[0],
+                                           valid_sentences=sentences[1],
+                                           test_sentences=sentences[2]))
+    for split, shards in (("train", train_shards), ("valid", 1), ("test", 1)):
+        (folder / split).mkdir(parents=True)
+        lines = getattr(corpus, split)
+        for k in range(shards):
+            (folder / split / f"part-{k:05d}-of-{shards:05d}.txt").write_text(
+                "\n".join(lines[k::shards]) + "\n", encoding="utf-8")
+    return folder
+
+
 @pytest.fixture
 def tiny_corpus_dir(tmp_path):
     """A folder with small train/valid/test splits of varied sentence lengths."""

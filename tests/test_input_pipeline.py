@@ -106,24 +106,33 @@ def test_replica_slices_of_one_pipeline_reassemble_the_global_batch(replicas, mo
             assert s["targets"].shape[0] >= 1
 
 
-def _epoch_lines(data, pipelines, replicas, epoch=0):
-    """Every sentence (target ids) each pipeline trains on in one epoch."""
+def _epoch_lines(data, pipelines, replicas, epoch=0, workers=False):
+    """Every sentence (target ids) each pipeline trains on in one epoch: multi_worker's
+    input pipelines (``Ctx``), or parameter-server workers (a tensor index), whose
+    batches are whole ones."""
     seen = []
     for p in range(pipelines):
-        ctx = Ctx(replicas, pipelines, p)
-        mine = [r for b in data.batches("train", training=True, epoch=epoch, batch_size=12,
-                                        input_context=ctx) for r in rows(b)]
-        seen.append(mine)
+        if workers:
+            batches = data.batches("train", training=True, epoch=epoch, batch_size=4,
+                                   worker=(pipelines, tf.constant(p)))
+            assert max(len(rows(b)) for b in batches) == 4  # whole batches, not slices
+        else:
+            batches = data.batches("train", training=True, epoch=epoch, batch_size=12,
+                                   input_context=Ctx(replicas, pipelines, p))
+        seen.append([r for b in batches for r in rows(b)])
     return seen
 
 
+@pytest.mark.parametrize("who", ["multi_worker", "parameter_server"])
 @pytest.mark.parametrize("pipelines", [2, 3])
 @pytest.mark.parametrize("files", [1, 5])
 def test_input_pipelines_read_disjoint_shares_whose_union_is_the_corpus(tmp_path, pipelines,
-                                                                        files):
+                                                                        files, who):
     """With at least as many shard files as pipelines each reads its own files; with
     fewer, each keeps its share of the lines. An epoch over all pipelines is the corpus:
-    nothing twice, nothing lost."""
+    nothing twice, nothing lost. So for multi_worker's input pipelines (rows of each
+    global batch) and for parameter-server workers (whole batches; the worker index is
+    a tensor)."""
     from tfpar.data.text import TextSplit
 
     lines = [f"s{i} " + " ".join(f"w{(i * 7 + j) % 40}" for j in range(i % 9)) for i in range(150)]
@@ -135,7 +144,8 @@ def test_input_pipelines_read_disjoint_shares_whose_union_is_the_corpus(tmp_path
     split = TextSplit.of_files(paths)
     data = InputData({"train": split, "valid": lines[:5], "test": lines[:5]},
                      Vocab.build(lines), DataConfig(max_length=20), seed=3)
-    seen = _epoch_lines(data, pipelines, replicas=2 * pipelines)
+    seen = _epoch_lines(data, pipelines, replicas=2 * pipelines,
+                        workers=who == "parameter_server")
     one_device = sorted(rows(b)[i] for b in data.batches("train", training=True, batch_size=12)
                         for i in range(len(rows(b))))
     union = sorted(r for mine in seen for r in mine)
@@ -151,6 +161,26 @@ def test_input_pipelines_read_disjoint_shares_whose_union_is_the_corpus(tmp_path
             files_read = {int(data.vocab.tokens[r[0]][1:]) % files for r in mine}
             assert len(files_read) == len(range(p, files, pipelines))
             assert len(mine) == sum(len(lines[f::files]) for f in files_read)
+
+
+def test_a_resumed_worker_skips_its_turns_of_the_jobs_first_batches():
+    """The job's first 3 batches, dealt in turn to 2 workers: 2 were worker 0's, 1 was
+    worker 1's."""
+    data = make_data(make_lines(200))
+    for index, dropped in ((0, 2), (1, 1)):
+        full, rest = ([rows(b) for b in data.batches("train", training=True, batch_size=8,
+                                                     skip=skip, worker=(2, tf.constant(index)))]
+                      for skip in (0, 3))
+        assert rest == full[dropped:]
+
+
+def test_the_log_says_how_workers_share_the_train_split():
+    lines = make_lines(20)
+    assert make_data(lines).share_summary("train", 2) == (
+        "the train split has 1 file(s), fewer than the 2 workers: each reads them all and "
+        "keeps one line in 2")
+    assert make_data(lines, mode="stream").share_summary("train", 3).startswith(
+        "stream mode: each of the 3 workers reads all of train (1 file")
 
 
 def test_partial_batch_smaller_than_replicas_pads_empty_replicas():

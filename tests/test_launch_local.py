@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import PINNED, REPO
+from conftest import PINNED, REPO, write_sharded_corpus
 
 LAUNCH = os.path.join(REPO, "scripts", "launch_local.py")
 
@@ -119,9 +119,10 @@ class Launched:
         return self.proc.returncode
 
 
-def small_run(tmp_path, strategy, max_steps, every, *extra):
+def small_run(tmp_path, strategy, max_steps, every, *extra, data=None):
+    corpus = ["--data", str(data)] if data else ["--synthetic-sentences", "1000,50,50"]
     return ["--strategy", strategy, "--max-steps", str(max_steps),
-            "--checkpoint-every", str(every), "--synthetic-sentences", "1000,50,50",
+            "--checkpoint-every", str(every), *corpus,
             *PINNED, "--embed-dim", "16", "--hidden-dim", "16", "--batch-size", "16",
             "--eval-batch-size", "100", "--no-progress", "--no-export",
             "--model-dir", str(tmp_path / "run"), "--metrics-json", str(tmp_path / "m.json"),
@@ -159,15 +160,20 @@ def iterations(tmp_path) -> int:
 
 @pytest.mark.cluster
 def test_a_killed_worker_is_restarted_and_the_run_completes(tmp_path):
+    """Trained from a folder of 4 train shards, 2 for each worker."""
     max_steps, every = 20, 5
+    shards = write_sharded_corpus(tmp_path / "corpus")
     job = Launched(tmp_path, ["--workers", "2", "--restarts", "1"],
-                   small_run(tmp_path, "multi_worker", max_steps, every))
+                   small_run(tmp_path, "multi_worker", max_steps, every, data=shards))
     wait_for(checkpoint(tmp_path, every), "the first checkpoint", 300)
     job.kill("worker 1")  # mid-epoch: 1000 sentences are ~63 steps of 16
     assert job.finish() == 0, job.log[-4000:]
     log = job.log
     assert "[launch] worker 1 was killed by SIGKILL; stopping the job" in log
     assert "[launch] restarting the whole job (restart 1 of 1)" in log
+    for worker in (0, 1):
+        assert re.search(rf"\[worker {worker}\] .*input: each of the 2 workers reads its own 2 "
+                         "of the 4 train files", log)
     resumed = resumed_steps(log)
     assert resumed and 0 < resumed[0] < max_steps and resumed[0] % every == 0
     m = json.loads((tmp_path / "m.json").read_text())

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import PINNED, REPO
+from conftest import PINNED, REPO, write_sharded_corpus
 from tfpar.parallel.cluster.tf_config import parse_tf_config
 from tfpar.objective import step as steps
 from tfpar.training import summaries
@@ -172,11 +172,13 @@ def evaluate_checkpoint(model_dir, capsys) -> float:
 
 @pytest.mark.cluster
 def test_asynchronous_training_on_a_local_cluster(tmp_path, capsys):
-    """chief + 2 workers + 2 ps as real processes; the embedding (1541 x 128 floats) is
-    large enough to be partitioned over both ps tasks."""
+    """chief + 2 workers + 2 ps as real processes, trained from a folder of 4 train shards
+    (each worker reads its own 2); the embedding (1541 x 128 floats) is large enough to be
+    partitioned over both ps tasks."""
     steps_ = 120
+    shards = write_sharded_corpus(tmp_path / "corpus", (1000, 100, 100))
     args = ["--strategy", "parameter_server", *PINNED, "--max-steps", str(steps_), "--epochs", "3",
-            "--synthetic-sentences", "1000,100,100", "--embed-dim", "128", "--hidden-dim", "16",
+            "--data", str(shards), "--embed-dim", "128", "--hidden-dim", "16",
             "--batch-size", "16", "--lr", "0.02", "--checkpoint-every", "40", "--no-progress",
             "--eval-batch-size", "100", "--model-dir", str(tmp_path / "run"),
             "--export-dir", str(tmp_path / "export"), "--metrics-json", str(tmp_path / "m.json")]
@@ -187,6 +189,7 @@ def test_asynchronous_training_on_a_local_cluster(tmp_path, capsys):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = proc.stdout
     assert "partitioned: rnn_lm/embedding/embeddings" in log
+    assert "input: each of the 2 workers reads its own 2 of the 4 train files" in log
     m = json.loads((tmp_path / "m.json").read_text())
     assert (m["strategy"], m["workers"], m["steps"]) == ("parameter_server", 2, steps_)
     assert m["valid_ppl"] < m["unigram_valid_ppl"]  # it learned more than word frequencies

@@ -30,13 +30,21 @@ by ``<eos>``), cut into ``B`` contiguous columns and read ``bptt`` steps at a ti
     column 0: t0 t1 t2 t3 t4 t5 t6        window 0: inputs [[t0 t1 t2],  [t7 t8 t9]]
     column 1: t7 t8 t9 t10 t11 t12 t13              targets [[t1 t2 t3],  [t8 t9 t10]]
 
-Sharding. Global batches are built identically in every input pipeline, then each
-pipeline emits, in order, the row slices that belong to its local replicas (slice sizes
-differ by at most one row). ``tf.distribute`` hands consecutive elements of one pipeline to
-consecutive local replicas, so replica ``r`` of the job always sees rows
-``shard_bounds(B, R)[r]`` of each global batch: the union over replicas is exactly the
-global batch a single device would see, with nothing duplicated or skipped. A slice that
-would hold no rows holds one row of padding instead (zero tokens, zero gradient).
+Sharding. One input pipeline (one process, any number of local replicas) builds the
+global batches and emits, in order, the row slices of its replicas (slice sizes differ by
+at most one row). ``tf.distribute`` hands consecutive elements of one pipeline to
+consecutive local replicas, so replica ``r`` always sees rows ``shard_bounds(B, R)[r]`` of
+each global batch: the union over replicas is exactly the global batch a single device
+would see, with nothing duplicated or skipped. A slice that would hold no rows holds one
+row of padding instead (zero tokens, zero gradient).
+
+Several input pipelines (multi_worker, one per worker) read disjoint shares of the lines
+in sentence mode (their own shard files, or every P-th line of fewer files:
+:func:`shares_files`) and batch only their replicas' rows of each global batch;
+:meth:`InputData.shared_batches` makes the same global batches on one device. In stream
+mode every pipeline reads every row (only a reader of all rows knows when the epoch ends)
+and keeps its replicas' slices. A parameter-server worker makes whole batches of its own
+share (``InputData.batches(worker=...)``).
 """
 
 from __future__ import annotations
@@ -295,13 +303,14 @@ class InputData:
     def pipeline_lines(self, split: str, *, shuffle: bool, epoch: int, pipelines: int = 1,
                        index: int = 0) -> tf.data.Dataset:
         """[k] line batches of ``split`` that input pipeline ``index`` of ``pipelines``
-        reads (see :func:`own_share`); shuffled by (seed, epoch) when ``shuffle``."""
+        reads (see :func:`shares_files`); shuffled by (seed, epoch) when ``shuffle``."""
         segments = self.splits[split].segments
         if shuffle:
             order = np.random.default_rng([self.seed, epoch]).permutation(len(segments))
             segments = tuple(segments[i] for i in order)
-        mine, line_shard = own_share(segments, pipelines, index)
-        ds = line_batches(TextSplit(mine), interleave=shuffle)
+        line_shard = pipelines > 1 and not shares_files(len(segments), pipelines)
+        ds = line_batches(TextSplit(segments), interleave=shuffle,
+                          share=(pipelines, index) if pipelines > 1 and not line_shard else None)
         if line_shard or shuffle:
             ds = ds.unbatch()
             if line_shard:
@@ -390,7 +399,7 @@ class InputData:
     def shared_batches(self, split: str, batch_size: int, shares: int, *, shuffle: bool,
                        epoch: int = 0) -> tf.data.Dataset:
         """Global sentence-mode batches as ``shares`` input pipelines make them: batch k
-        is the rows of every pipeline's k-th batch (``own_share``, ``pipeline_rows``), in
+        is the rows of every pipeline's k-th batch (``shares_files``, ``pipeline_rows``), in
         pipeline order, keyed by their global rows; a pipeline that has ended adds none.
 
         What one device trains on to repeat a ``shares``-worker run exactly (the verify
@@ -420,7 +429,8 @@ class InputData:
 
     # -- both
     def batches(self, split: str, *, training: bool, epoch: int = 0, skip: int = 0,
-                input_context=None, batch_size: int, shares: int = 1) -> tf.data.Dataset:
+                input_context=None, batch_size: int, shares: int = 1,
+                worker: tuple[int, tf.Tensor] | None = None) -> tf.data.Dataset:
         """The per-replica dataset of ``split`` for one epoch.
 
         Args:
@@ -433,7 +443,14 @@ class InputData:
           batch_size: global batch size.
           shares: sentence mode, one pipeline: make the global batches that this many
             input pipelines would (:meth:`shared_batches`).
+          worker: ``(workers, index)``, ``index`` a tensor: the whole batches of one
+            parameter-server worker. In sentence mode they are made of its own share of
+            the lines (:func:`shares_files`), ``skip`` counting the job's batches dealt
+            round robin; in stream mode they are global batches ``index, index +
+            workers, ...``.
         """
+        if worker is not None:
+            return self._worker_batches(split, training, epoch, skip, batch_size, *worker)
         pipelines = input_context.num_input_pipelines if input_context is not None else 1
         if self.config.mode == "stream":
             ds = self.stream_batches(split, batch_size)
@@ -446,7 +463,7 @@ class InputData:
             rows = None
         else:
             # Each pipeline reads its own share of the lines and batches the rows of its
-            # replicas (see own_share): global row indices key the dropout masks.
+            # replicas (see shares_files): global row indices key the dropout masks.
             index = input_context.input_pipeline_id
             rows = pipeline_rows(batch_size, input_context)
             ds = self.sentence_batches(split, rows[1], shuffle=training, epoch=epoch,
@@ -456,21 +473,39 @@ class InputData:
         ds = per_replica(ds, input_context, rows=rows)
         return ds.prefetch(AUTOTUNE)
 
+    def _worker_batches(self, split, training, epoch, skip, batch_size, workers, index):
+        index = tf.cast(index, tf.int64)
+        if self.config.mode == "stream":
+            ds = self.stream_batches(split, batch_size).skip(skip).shard(workers, index)
+        else:
+            # Of the job's first ``skip`` batches, dealt in turn, this worker had these.
+            mine = tf.maximum(tf.constant(skip, tf.int64) - index + workers - 1, 0) // workers
+            ds = self.sentence_batches(split, batch_size, shuffle=training, epoch=epoch,
+                                       pipelines=workers, index=index).skip(mine)
+        return ds.prefetch(AUTOTUNE)
 
-def own_share(segments: tuple, pipelines: int, index: int) -> tuple[tuple, bool]:
-    """The segments input pipeline ``index`` of ``pipelines`` reads, and whether it then
-    keeps only every ``pipelines``-th line (``line_shard``).
+    def share_summary(self, split: str, pipelines: int) -> str:
+        """How ``pipelines`` input pipelines (workers) share ``split``, for the log."""
+        if self.config.mode == "stream":
+            return (f"stream mode: each of the {pipelines} workers reads all of {split} "
+                    f"({self.splits[split].describe()}) and keeps its own share")
+        files = len(self.splits[split].segments)
+        if shares_files(files, pipelines):
+            low, high = files // pipelines, -(-files // pipelines)
+            each = f"{low}" if low == high else f"{low}-{high}"
+            return (f"each of the {pipelines} workers reads its own {each} of the {files} "
+                    f"{split} files (dealt anew each epoch)")
+        return (f"the {split} split has {files} file(s), fewer than the {pipelines} workers: "
+                f"each reads them all and keeps one line in {pipelines}")
 
-    With at least as many segments (shard files) as pipelines, each pipeline reads its
-    own: segments ``index, index + pipelines, ...``. Otherwise every pipeline reads all of
-    them and keeps lines ``index, index + pipelines, ...``. Either way the pipelines'
-    lines are disjoint and together are the split.
-    """
-    if pipelines <= 1:
-        return segments, False
-    if len(segments) >= pipelines:
-        return segments[index::pipelines], False
-    return segments, True
+
+def shares_files(segments: int, pipelines: int) -> bool:
+    """How ``pipelines`` input pipelines share a split of ``segments`` segments (files):
+    True, each reads its own, segments ``index, index + pipelines, ...`` of the epoch's
+    file order; False (fewer files than pipelines), each reads them all and keeps lines
+    ``index, index + pipelines, ...``. Either way their lines are disjoint and together
+    are the split."""
+    return segments >= pipelines
 
 
 def pipeline_rows(batch_size: int, input_context) -> tuple[int, int]:

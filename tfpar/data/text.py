@@ -185,20 +185,25 @@ def segment_lines(path, start, end, size) -> tf.data.Dataset:
     return _lines_of_records(_segment_records(path, start, end, size)).map(non_blank)
 
 
-def line_batches(split: TextSplit, *, interleave: bool = False) -> tf.data.Dataset:
+def line_batches(split: TextSplit, *, interleave: bool = False,
+                 share: tuple[int, int | tf.Tensor] | None = None) -> tf.data.Dataset:
     """[k] string batches of ``split``'s stripped, non-blank lines (a batch per record;
     it may be empty).
 
-    In file order; with ``interleave``, every segment is open at once and they are read in
-    turn, one record's lines each (a deterministic order, for a sentence-mode epoch that
-    draws on every shard at once). One reader function, traced once, reads every
-    segment, so a split of a thousand shards builds as fast as one of one.
+    In file order; with ``interleave``, every segment read is open at once and they are
+    read in turn, one record's lines each (a deterministic order, for a sentence-mode
+    epoch that draws on every shard at once). ``share = (n, i)`` reads only segments
+    ``i, i + n, ...``; ``i`` may be a tensor (a parameter-server worker's index). One
+    reader function, traced once, reads every segment, so a split of a thousand shards
+    builds as fast as one of one.
     """
     if not split.segments:
         return tf.data.Dataset.from_tensors(tf.constant([], tf.string)).take(0)
-    cycle = len(split.segments) if interleave else 1
-    return segment_table(split.segments).interleave(
-        segment_lines, cycle_length=cycle, block_length=1)
+    table, count = segment_table(split.segments), len(split.segments)
+    if share is not None:
+        table, count = table.shard(*share), -(-count // share[0])
+    return table.interleave(segment_lines, cycle_length=count if interleave else 1,
+                            block_length=1)
 
 
 def lines(split: TextSplit) -> tf.data.Dataset:

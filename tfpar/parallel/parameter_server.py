@@ -15,11 +15,11 @@ updates land, depend on timing, so two runs are not bit-identical. The loop read
 only at sync points (``coordinator.join()``: every ``--checkpoint-every`` steps and at the
 end of each epoch), never after every step.
 
-Input. A worker reads its own share of every epoch's global batches (every W-th batch,
-starting at its worker index, via ``experimental_get_current_worker_index``), repeated:
-an epoch is as many scheduled steps as the epoch has batches, but a faster worker may
-take more steps than its share and re-read some of its batches while a slower one leaves
-a few unread.
+Input. A worker makes whole batches of its own share of the lines (its own shard files,
+or every W-th line of fewer files than workers; in stream mode every W-th global batch),
+picked by its index (``experimental_get_current_worker_index``), repeated: an epoch is as
+many scheduled steps as the epoch has batches, but a faster worker may take more steps
+than its share and re-read some of its batches while a slower one leaves a few unread.
 
 Evaluation runs on the coordinator, exactly (every valid/test batch once): after a sync
 point it copies the parameters into a local model and evaluates that copy, so training
@@ -268,12 +268,13 @@ class Coordinator:
         return dataset_fn(None)
 
     def distribute_to_workers(self, dataset_fn):
-        """Per-worker iterators: worker i reads global batches i, i+W, ... repeatedly."""
+        """Per-worker iterators, repeated: ``dataset_fn(input_context, worker=(W, i))`` on
+        worker i, whose index is a tensor only that worker's dataset knows."""
         workers = self.num_workers
 
         def worker_dataset(input_context):
             index = tf.distribute.coordinator.experimental_get_current_worker_index()
-            return dataset_fn(input_context).shard(workers, index).repeat()
+            return dataset_fn(input_context, worker=(workers, index)).repeat()
 
         @tf.function
         def per_worker():

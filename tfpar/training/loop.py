@@ -110,9 +110,9 @@ class Loop:
             self.checkpointer.save(self.step)
         return self.progress
 
-    def train_batches(self, epoch: int, skip: int, input_context=None):
+    def train_batches(self, epoch: int, skip: int, input_context=None, worker=None):
         return self.data.batches("train", training=True, epoch=epoch, skip=skip,
-                                 input_context=input_context,
+                                 input_context=input_context, worker=worker,
                                  batch_size=self.config.train.batch_size)
 
     def batches_left(self, epoch: int, skip: int) -> int:
@@ -351,12 +351,21 @@ class AsyncLoop(Loop):
     epoch end - once the coordinator has waited for all of them. Summaries are therefore
     written per sync point that reaches a --log-every multiple."""
 
+    def batches_left(self, epoch: int, skip: int) -> int:
+        """The batches the workers make of ``epoch``, after the job's first ``skip``: the
+        sum of each worker's own (one pass over the corpus when they read their own
+        files). More than one input's batches: a worker's share of a bucket fills fewer
+        whole batches."""
+        workers = self.plugin.num_workers
+        return sum(count_batches(self.train_batches(epoch, 0, worker=(workers, tf.constant(i))))
+                   for i in range(workers)) - skip
+
     def train_epoch(self, epoch: int, skip: int) -> None:
         cfg, coordinator = self.config, self.plugin
         todo = self.batches_left(epoch, skip)
         max_steps = cfg.train.max_steps
         iterators = coordinator.distribute_to_workers(
-            lambda ctx: self.train_batches(epoch, skip, ctx))
+            lambda ctx, worker: self.train_batches(epoch, skip, ctx, worker))
         self.start_bar(todo)
         every = cfg.run.checkpoint_every or todo
         while todo > 0 and not self.done():

@@ -117,6 +117,8 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
     log.info("corpus %s: %s (train/valid/test); vocabulary %d", corpus.name,
              "; ".join(corpus.splits[s].describe() for s in ("train", "valid", "test")),
              len(vocab))
+    if plugin.num_workers > 1:
+        log.info("input: %s", data.share_summary("train", plugin.num_workers))
 
     state = build_train_state(plugin.scope(), config.model, len(vocab), seed=config.train.seed,
                               make_optimizer=optimizer_factory(config, plugin.num_replicas),
