@@ -89,7 +89,7 @@ def evaluate_model_dir(args) -> dict:
     from tfpar.data.pipeline import InputData
     from tfpar.data.sources import load_corpus
     from tfpar.data.vocab import Vocab
-    from tfpar.parallel import build_strategy
+    from tfpar.parallel.registry import build_strategy
     from tfpar.training.loop import evaluate
     from tfpar.training.state import build_train_state
 

@@ -139,7 +139,7 @@ def test_the_update_is_written_once(words):
 def test_the_registry_has_every_strategy_and_refuses_async_for_a_sync_step():
     from tfpar.config import DistConfig
     from tfpar.errors import ConfigError
-    from tfpar.parallel import ASYNCHRONOUS, STRATEGIES, build_strategy
+    from tfpar.parallel.registry import ASYNCHRONOUS, STRATEGIES, build_strategy
 
     assert set(STRATEGIES) == {"default", "one_device", "mirrored", "tower", "pipeline",
                                "multi_worker", "parallel_do"}

@@ -17,7 +17,7 @@ from tfpar.config import Config, DistConfig
 from tfpar.errors import CheckpointError
 from tfpar.data.pipeline import InputData
 from tfpar.model.lm import build_model
-from tfpar.parallel import build_strategy
+from tfpar.parallel.registry import build_strategy
 from tfpar.training.loop import evaluate
 from tfpar.data.vocab import Vocab
 from conftest import PINNED

@@ -40,7 +40,7 @@ from tfpar.data.pipeline import InputData, per_replica
 from tfpar.data.vocab import EOS_ID, Vocab
 from tfpar.errors import TrainingError
 from tfpar.model.lm import build_model
-from tfpar.parallel import build_strategy
+from tfpar.parallel.registry import build_strategy
 from tfpar.parallel import parameter_server as ps
 from tfpar.serving import sample
 from tfpar.tools.cli import train_main

@@ -21,7 +21,7 @@ from tfpar.config import DataConfig, DistConfig, ModelConfig
 from tfpar.data.pipeline import InputData
 from tfpar.data.vocab import Vocab
 from tfpar.model.lm import build_model
-from tfpar.parallel import build_strategy
+from tfpar.parallel.registry import build_strategy
 from tfpar.parallel.parallel_do import ParallelDo
 from tfpar.training.loop import evaluate
 

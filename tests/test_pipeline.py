@@ -20,7 +20,7 @@ from tfpar.config import DataConfig, DistConfig, ModelConfig
 from tfpar.errors import ConfigError, DeviceError
 from tfpar.data.pipeline import InputData
 from tfpar.model.lm import build_model
-from tfpar.parallel import build_strategy, cpu_devices_needed
+from tfpar.parallel.registry import build_strategy, cpu_devices_needed
 from tfpar.parallel.pipeline.plugin import PipelinePlugin
 from tfpar.parallel.pipeline.stages import Placement, Stage, parse_stages, placement_from_config
 from tfpar.tools.verify import Setup, VerifySpec, run_plugin

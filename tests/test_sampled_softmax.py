@@ -16,7 +16,7 @@ from tfpar.errors import ConfigError
 from tfpar.model.lm import build_model
 from tfpar.model.noise import Noise
 from tfpar.objective import losses, sampling, step
-from tfpar.parallel import build_strategy
+from tfpar.parallel.registry import build_strategy
 
 KEY = tf.constant([3, 7], tf.int64)
 V = 60

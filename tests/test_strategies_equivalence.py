@@ -15,7 +15,7 @@ from conftest import assert_clipped_and_unclipped, assert_same_training, make_li
 from tfpar.config import DataConfig, DistConfig, ModelConfig
 from tfpar.data.pipeline import InputData
 from tfpar.model.lm import build_model
-from tfpar.parallel import build_strategy
+from tfpar.parallel.registry import build_strategy
 from tfpar.training.loop import evaluate
 from tfpar.tools.verify import Setup, VerifySpec, run_plugin
 from tfpar.data.vocab import Vocab

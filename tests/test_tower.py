@@ -19,7 +19,7 @@ from tfpar.config import Config, DataConfig, DistConfig, ModelConfig, TrainConfi
 from tfpar.errors import DeviceError
 from tfpar.data.pipeline import InputData
 from tfpar.model.lm import build_model
-from tfpar.parallel import build_strategy
+from tfpar.parallel.registry import build_strategy
 from tfpar.parallel.tower import TowerPlugin, default_variable_device, ring_all_reduce
 from tfpar.training.schedule import EpochSchedule, base_learning_rate
 from tfpar.tools.verify import Setup, VerifySpec, run_plugin
@@ -202,7 +202,7 @@ import tensorflow as tf
 from tfpar.tools.cli import prepare_runtime
 from tfpar.config import DistConfig, ModelConfig
 from tfpar.model.lm import build_model
-from tfpar.parallel import build_strategy
+from tfpar.parallel.registry import build_strategy
 import keras
 
 dist = DistConfig(strategy="tower", cpu_devices=3, devices=("/cpu:0", "/cpu:1"),

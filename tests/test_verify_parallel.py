@@ -8,7 +8,7 @@ import numpy as np
 import tensorflow as tf
 import pytest
 
-import tfpar.parallel
+import tfpar.parallel.registry
 from tfpar.tools import verify
 from tfpar.errors import ConfigError
 from tfpar.parallel.parallel_do import ParallelDo
@@ -160,7 +160,7 @@ class OffByOnePercent(ParallelDo):
 def test_verify_fails_a_gradient_off_by_one_percent(monkeypatch, tmp_path, capsys):
     """The auto clip norm leaves some steps unclipped, so a gradient off by a constant
     factor moves the weights and the momentum slots differently: exit 1."""
-    monkeypatch.setitem(tfpar.parallel.STRATEGIES, "off_by_1pc",
+    monkeypatch.setitem(tfpar.parallel.registry.STRATEGIES, "off_by_1pc",
                         lambda dist: OffByOnePercent(list(dist.devices)))
     monkeypatch.setitem(verify.RUNNERS, "off_by_1pc", Runner(verify.on_devices("off_by_1pc")))
     path = tmp_path / "rows.json"

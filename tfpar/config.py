@@ -306,7 +306,7 @@ class TrainConfig:
 class DistConfig:
     """How the work is spread over devices and processes."""
 
-    # A name from tfpar.parallel.STRATEGIES.
+    # A name from tfpar.parallel.registry.STRATEGIES.
     strategy: str = "default"
     # Explicit devices, e.g. ("/gpu:0", "/gpu:1") or ("/cpu:0", "/cpu:1"); empty: automatic.
     devices: tuple[str, ...] = ()

@@ -10,7 +10,7 @@ every device and merges. Here the block is the one replica step of
 
 It is also the worked example of what a synchronous strategy consists of: a class with
 ``num_replicas``, ``devices``, ``distribute``, ``gradients``, ``apply`` and ``losses``,
-a builder, and one line in ``tfpar.parallel.STRATEGIES``. ``tower``
+a builder, and one line in ``tfpar.parallel.registry.STRATEGIES``. ``tower``
 (``tfpar.parallel.tower``) is this strategy with a choice of variable device and of
 reduction (a ring).
 """

@@ -49,7 +49,7 @@ def _train_step(stages: str, micro_batches: int, model_config, vocab_size: int, 
     import keras
 
     from tfpar.config import DistConfig
-    from tfpar.parallel import build_strategy
+    from tfpar.parallel.registry import build_strategy
     from tfpar.training.state import build_train_state
 
     plugin = build_strategy(DistConfig(strategy="pipeline", stages=stages,

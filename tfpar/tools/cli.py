@@ -350,7 +350,8 @@ def setup_logging(verbose: bool = False) -> None:
 
 def prepare_runtime(dist: cfg.DistConfig) -> None:
     """Logical CPU devices and placement options; must run before TF initialises."""
-    from tfpar.parallel import cpu_devices_needed, devices
+    from tfpar.parallel.registry import cpu_devices_needed
+    from tfpar.parallel import devices
     from tfpar.parallel.cluster.tf_config import CLUSTER_STRATEGIES
 
     # First: TF reads the placement log setting only when its runtime initialises (and

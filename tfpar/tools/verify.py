@@ -43,7 +43,7 @@ from tfpar.model.lm import build_model
 from tfpar.objective import step
 from tfpar.objective.losses import perplexity, token_count
 from tfpar.objective.step import run_steps
-from tfpar.parallel import build_strategy
+from tfpar.parallel.registry import build_strategy
 from tfpar.parallel.cluster.local_job import plan_job, run_job
 from tfpar.parallel.pipeline.stages import even_stages
 from tfpar.parallel import devices as devices_lib

@@ -22,7 +22,7 @@ import tensorflow as tf
 from tfpar.config import Config, resume_conflicts
 from tfpar.data.vocab import VOCAB_FILE, Vocab, first_difference
 from tfpar.errors import CheckpointError, ConfigError
-from tfpar.parallel import ASYNCHRONOUS
+from tfpar.parallel.registry import ASYNCHRONOUS
 
 log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"

@@ -33,7 +33,8 @@ from tfpar.data.sources import LoadedCorpus, load_corpus
 from tfpar.data.vocab import Vocab, train_counts
 from tfpar.errors import ConfigError
 from tfpar.objective.losses import perplexity
-from tfpar.parallel import ASYNCHRONOUS, build_strategy, parameter_server
+from tfpar.parallel.registry import ASYNCHRONOUS, build_strategy
+from tfpar.parallel import parameter_server
 from tfpar.serving import export
 from tfpar.training import checkpoints, summaries
 from tfpar.training.loop import AsyncLoop, Loop, evaluate

@@ -183,7 +183,7 @@ def build_tfpar(setup: Setup, name: str, dist, *, precision: str | None = None,
     """A tfpar contender under the plug-in ``dist`` names (clip 5, tfpar's default), and
     the plug-in; ``precision`` overrides the spec's, ``steps_per_execution > 1`` makes a
     :class:`MultiStepContender`, ``probe`` trains :data:`PROBE_MODEL` instead."""
-    from tfpar.parallel import build_strategy
+    from tfpar.parallel.registry import build_strategy
     from tfpar.training.state import build_train_state
 
     spec = setup.spec
@@ -227,7 +227,7 @@ TWO_DEVICE = ("mirrored2", "tower2", "pipeline2")
 def distribution_configs() -> dict[str, Any]:
     """name -> DistConfig, or NOT_AVAILABLE when the strategy is not registered."""
     from tfpar.config import DistConfig
-    from tfpar.parallel import STRATEGIES
+    from tfpar.parallel.registry import STRATEGIES
 
     two = ("/cpu:0", "/cpu:1")
     wanted = {

@@ -75,7 +75,7 @@ def serve_worker(request: str) -> NoReturn:
     import tensorflow as tf
 
     from tfpar.config import DistConfig
-    from tfpar.parallel import build_strategy
+    from tfpar.parallel.registry import build_strategy
     from tfpar.tools.bench.contenders import build_tfpar
     from tfpar.tools.bench.workload import load_setup
 
