@@ -18,8 +18,11 @@ $(STAMP): pyproject.toml
 train: install
 	$(PY) scripts/train.py --strategy mirrored
 
+# Test files run in parallel, one pytest worker per core (most of a test is single-threaded
+# graph building); a file's tests stay on one worker, with its shared fixtures. JOBS=0: serial.
+JOBS ?= auto
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs
