@@ -18,11 +18,12 @@ $(STAMP): pyproject.toml
 train: install
 	$(PY) scripts/train.py --strategy mirrored
 
-# Test files run in parallel, one pytest worker per core (most of a test is single-threaded
-# graph building); a file's tests stay on one worker, with its shared fixtures. JOBS=0: serial.
+# Tests run in parallel, one pytest worker per core (most of a test is single-threaded graph
+# building); an idle worker takes tests queued on a busy one (worksteal), so a slow file at the
+# end of the queue does not leave a core idle. JOBS=0: serial.
 JOBS ?= auto
 test: install
-	$(PY) -m pytest -q -n $(JOBS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(JOBS) --dist worksteal $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs

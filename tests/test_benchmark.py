@@ -261,7 +261,7 @@ def test_tiny_run_prints_a_verdict_per_target_and_check_sets_the_exit_code(tiny_
 
 
 def test_unregistered_strategies_are_marked_not_available(monkeypatch):
-    from tfpar import parallel as strategies
+    from tfpar.parallel import registry as strategies
 
     # A copy without tower (deleting from the registry itself would re-insert it at the
     # end, changing the order later tests see in its error messages).

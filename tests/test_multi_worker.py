@@ -106,14 +106,17 @@ def test_a_taken_port_of_this_task_is_refused(tiny_args, monkeypatch, capsys):
 
 # ----------------------------------------------------------------------------- processes
 @pytest.mark.cluster
-def test_two_worker_processes_match_one_device(tmp_path, capsys):
+@pytest.mark.parametrize("softmax", [[], ["--softmax", "sampled", "--num-sampled", "10"]],
+                         ids=["full", "sampled"])
+def test_two_worker_processes_match_one_device(tmp_path, capsys, softmax):
     """verify_parallel's multi_worker runner starts 2 worker processes on loopback; their
-    parameters and eval perplexity must match the default strategy's."""
+    parameters and eval perplexity must match the default strategy's. With the sampled
+    softmax both workers draw the step's candidates alike."""
     from tfpar.tools.verify import main as verify_main
 
     report = tmp_path / "verify.json"
     assert verify_main(["--strategies", "default,multi_worker:2", "--steps", "10",
-                        "--json", str(report)]) == 0
+                        "--json", str(report), *softmax]) == 0
     rows = {r["strategy"]: r for r in json.loads(report.read_text())}
     assert rows["multi_worker"]["replicas"] == 2
     assert rows["multi_worker"]["max_abs_param_diff"] <= 1e-5
