@@ -174,6 +174,16 @@ def test_a_resumed_worker_skips_its_turns_of_the_jobs_first_batches():
         assert rest == full[dropped:]
 
 
+def test_a_stream_mode_worker_takes_every_wth_global_batch():
+    data = make_data(make_lines(200), mode="stream", bptt=5)
+    whole = [b["targets"].numpy() for b in data.batches("train", training=True, batch_size=4)]
+    for index in (0, 1):
+        mine = [b["targets"].numpy() for b in data.batches(
+            "train", training=True, batch_size=4, worker=(2, tf.constant(index)))]
+        assert len(mine) == len(whole[index::2])
+        assert all((a == b).all() for a, b in zip(mine, whole[index::2]))
+
+
 def test_the_log_says_how_workers_share_the_train_split():
     lines = make_lines(20)
     assert make_data(lines).share_summary("train", 2) == (
