@@ -308,9 +308,10 @@ class InputData:
         if shuffle:
             order = np.random.default_rng([self.seed, epoch]).permutation(len(segments))
             segments = tuple(segments[i] for i in order)
-        line_shard = pipelines > 1 and not shares_files(len(segments), pipelines)
+        own_files = pipelines > 1 and shares_files(len(segments), pipelines)
+        line_shard = pipelines > 1 and not own_files
         ds = line_batches(TextSplit(segments), interleave=shuffle,
-                          share=(pipelines, index) if pipelines > 1 and not line_shard else None)
+                          share=(pipelines, index) if own_files else None)
         if line_shard or shuffle:
             ds = ds.unbatch()
             if line_shard:
@@ -430,7 +431,7 @@ class InputData:
     # -- both
     def batches(self, split: str, *, training: bool, epoch: int = 0, skip: int = 0,
                 input_context=None, batch_size: int, shares: int = 1,
-                worker: tuple[int, tf.Tensor] | None = None) -> tf.data.Dataset:
+                worker: tuple[int, int | tf.Tensor] | None = None) -> tf.data.Dataset:
         """The per-replica dataset of ``split`` for one epoch.
 
         Args:
@@ -443,7 +444,8 @@ class InputData:
           batch_size: global batch size.
           shares: sentence mode, one pipeline: make the global batches that this many
             input pipelines would (:meth:`shared_batches`).
-          worker: ``(workers, index)``, ``index`` a tensor: the whole batches of one
+          worker: ``(workers, index)``, ``index`` an int or a tensor (a worker knows its
+            own index only as a tensor): the whole batches of one
             parameter-server worker. In sentence mode they are made of its own share of
             the lines (:func:`shares_files`), ``skip`` counting the job's batches dealt
             round robin; in stream mode they are global batches ``index, index +

@@ -357,7 +357,7 @@ class AsyncLoop(Loop):
         files). More than one input's batches: a worker's share of a bucket fills fewer
         whole batches."""
         workers = self.plugin.num_workers
-        return sum(count_batches(self.train_batches(epoch, 0, worker=(workers, tf.constant(i))))
+        return sum(count_batches(self.train_batches(epoch, 0, worker=(workers, i)))
                    for i in range(workers)) - skip
 
     def train_epoch(self, epoch: int, skip: int) -> None:
