@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -7,6 +9,8 @@ from tfpar.errors import DataError
 from tfpar.data.pipeline import (InputData, bucket_boundaries, count_tokens, per_replica,
                                   sentence_lengths, shard_bounds)
 from tfpar.data.vocab import EOS_ID, PAD_ID, Vocab, length_histogram
+
+from conftest import shared_data_dir
 
 
 def make_lines(n, seed=0, max_words=30):
@@ -45,11 +49,19 @@ def test_sentence_example_structure():
     np.testing.assert_array_equal(batch["targets"].numpy()[0], [a, b, c, EOS_ID])
 
 
-def test_every_token_once_and_padding_low():
+def test_every_line_once_and_padding_low():
+    """A sentence-mode epoch's rows, as a multiset, are exactly the corpus's lines
+    (<eos> w1 .. wn -> w1 .. wn <eos>, ids computed without tfpar's tokenizer)."""
     lines = make_lines(2000)
     data = make_data(lines, max_pad_fraction=0.02)
+    batches = list(data.batches("train", training=True, batch_size=16))
+    got = sorted(r for b in batches for r in rows(b))
+    assert got == sorted(tuple(ids + [EOS_ID]) for ids in reference_ids(lines, data.vocab))
+    inputs = sorted(tuple(int(t) for t in r if t != PAD_ID)
+                    for b in batches for r in b["inputs"].numpy())
+    assert inputs == sorted(tuple([EOS_ID] + ids) for ids in reference_ids(lines, data.vocab))
     real, slots = count_tokens(data.batches("train", training=True, batch_size=16))
-    assert real == sentence_lengths(lines, tokenizer="whitespace").sum()
+    assert real == sum(len(ids) + 1 for ids in reference_ids(lines, data.vocab))
     assert (slots - real) / slots < 0.05
 
 
@@ -229,33 +241,89 @@ def test_one_device_can_make_the_global_batches_of_several_pipelines(pipelines):
         np.testing.assert_array_equal(g["rows"], np.concatenate([b["rows"] for b in parts]))
 
 
-def test_stream_mode_rows_are_contiguous_byte_ranges_of_the_split():
-    lines = [f"t{i}" for i in range(40)]  # stream: t0 <eos> t1 <eos> ...
-    data = make_data(lines, mode="stream", bptt=3)
-    batches = list(data.batches("train", training=False, batch_size=2))
+def reference_ids(lines, vocab):
+    """The token ids of ``lines`` computed without tfpar's tokenizer or lookup table:
+    ``str.split`` and the vocabulary's token list (unknown words -> <unk>)."""
+    index = {w: i for i, w in enumerate(vocab.tokens)}
+    return [[index.get(w, 1) for w in line.split()] for line in lines if line.strip()]
+
+
+def reference_columns(lines, vocab, columns):
+    """[B, C]: the stream (every line's ids then <eos>) cut into B contiguous columns of
+    C = N // B tokens, the remainder left out (classic ``batchify``)."""
+    stream = np.array([t for ids in reference_ids(lines, vocab) for t in ids + [EOS_ID]])
+    length = len(stream) // columns
+    return stream[:columns * length].reshape(columns, length)
+
+
+def read_columns(data, split, batch_size):
+    """The stream batches of ``split`` joined back into [B, C] columns."""
+    batches = list(data.batches(split, training=False, batch_size=batch_size))
     inputs = np.concatenate([b["inputs"].numpy() for b in batches], axis=1)
     targets = np.concatenate([b["targets"].numpy() for b in batches], axis=1)
-    assert all(b["inputs"].shape[1] <= 3 for b in batches)
-    stream = np.array(data.vocab.encode(" ".join(f"t{i} <eos>" for i in range(40))))
-    rebuilt = []
-    for row_in, row_out in zip(inputs, targets):
-        real = row_out != PAD_ID
-        # Each row is one token stream: its targets are its inputs one step on.
-        np.testing.assert_array_equal(row_in[1:][real[1:]], row_out[:-1][real[1:]])
-        rebuilt += [row_in[0]] + list(row_out[real])
-    # Row 1 starts where row 0 ends: together they are the whole stream, in order.
-    np.testing.assert_array_equal(rebuilt, stream)
-    # Cut at the first line start at or after half the 150 bytes ("t0\n".."t9\n" are 3
-    # bytes, the rest 4): byte 78, after t21, so row 0 holds 22 lines, 44 tokens.
-    assert (targets[0] != PAD_ID).sum() == 44 - 1
+    return batches, inputs, targets
 
 
-def test_stream_mode_rows_without_text_are_padding():
+@pytest.mark.parametrize("batch_size,bptt", [(2, 3), (5, 4), (7, 35)])
+def test_stream_mode_rows_are_the_token_stream_cut_into_equal_columns(batch_size, bptt):
+    """Every row is one contiguous column of the corpus's token stream, all of one length,
+    so every row has a real token in every window (no row runs on alone at the end)."""
+    lines = make_lines(200, seed=3)
+    data = make_data(lines, mode="stream", bptt=bptt)
+    batches, inputs, targets = read_columns(data, "train", batch_size)
+    expected = reference_columns(lines, data.vocab, batch_size)
+    np.testing.assert_array_equal(inputs, expected[:, :-1])
+    np.testing.assert_array_equal(targets, expected[:, 1:])
+    assert all(b["inputs"].shape[1] == bptt for b in batches[:-1])
+    assert 1 <= batches[-1]["inputs"].shape[1] <= bptt
+    assert all((b["targets"].numpy() != PAD_ID).all() for b in batches)
+
+
+def test_stream_mode_columns_cut_inside_lines_and_files(tmp_path):
+    """Columns start wherever the token count says, inside a line or a shard file."""
+    from tfpar.data.text import TextSplit
+
+    lines = [f"t{i} " * (1 + i % 7) for i in range(60)]
+    paths = []
+    for k in range(3):  # three shards, read in order
+        paths.append(tmp_path / f"part-{k}.txt")
+        paths[-1].write_text("\n\n".join(lines[k * 20:(k + 1) * 20]) + "\n", encoding="utf-8")
+    vocab = Vocab.build(lines)
+    split = TextSplit.of_files(paths)
+    data = InputData({"train": split, "valid": split, "test": split}, vocab,
+                     DataConfig(mode="stream", bptt=4))
+    _, inputs, targets = read_columns(data, "valid", 6)
+    expected = reference_columns(lines, vocab, 6)
+    np.testing.assert_array_equal(inputs, expected[:, :-1])
+    np.testing.assert_array_equal(targets, expected[:, 1:])
+
+
+def test_stream_mode_rows_on_ptb_are_its_token_stream_in_20_columns():
+    """The real corpus, read as training reads it: PTB valid in 20 columns of 3,688."""
+    folder = os.path.join(shared_data_dir(), "ptb")
+    if not os.path.isdir(folder):
+        pytest.skip(f"the shared corpora folder {folder} is absent (set TFPAR_SHARED_DATA)")
+    from tfpar.data.text import TextSplit
+
+    path = os.path.join(folder, "ptb.valid.txt")
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    split = TextSplit.of_files([path])
+    vocab = Vocab.build(lines)
+    data = InputData({"train": split, "valid": split, "test": split}, vocab,
+                     DataConfig(mode="stream", bptt=35))
+    batches, inputs, targets = read_columns(data, "valid", 20)
+    expected = reference_columns(lines, vocab, 20)
+    assert expected.shape == (20, 3688) and len(batches) == 106
+    np.testing.assert_array_equal(inputs, expected[:, :-1])
+    np.testing.assert_array_equal(targets, expected[:, 1:])
+
+
+def test_stream_mode_with_fewer_than_two_tokens_a_column_is_an_error():
     data = make_data(["a b", "c"], mode="stream")
-    batches = list(data.batches("valid", training=False, batch_size=8))
-    real, slots = count_tokens(tf.data.Dataset.from_tensor_slices([0]).flat_map(lambda _: data.batches("valid", training=False, batch_size=8)))
-    assert real == 5 - 2  # two non-empty rows, each predicts all but its first token
-    assert all(b["targets"].shape[0] == 8 for b in batches)
+    with pytest.raises(DataError, match=r"the valid split has 5 tokens, too few for 8 stream "
+                       r"columns of at least 2 tokens; use a batch size of at most 2 "):
+        next(iter(data.batches("valid", training=False, batch_size=8)))
 
 
 def test_empty_split_is_an_error():
