@@ -55,6 +55,15 @@ def out_and_code(main, argv, capsys):
     return code, captured.out, lines[-1] if lines else ""
 
 
+def ok_out(main, argv, capsys):
+    """stdout of a call that must succeed: exit 0 and some output, so that comparing the
+    outputs of several calls cannot pass on calls that all failed alike (exit 2, no output)."""
+    code, out, err = out_and_code(main, argv, capsys)
+    assert code == 0, (code, err)
+    assert out.strip(), f"exit 0 but no output; stderr ends {err!r}"
+    return out
+
+
 # ----------------------------------------------------------------------------- generate
 def test_generate_prints_one_seeded_continuation_per_prompt(run, capsys):
     argv = ["--model", run["export"], "--prompt", "w1 w2", "--prompt", "", "--max-tokens",
@@ -64,11 +73,11 @@ def test_generate_prints_one_seeded_continuation_per_prompt(run, capsys):
     lines = out.splitlines()
     assert len(lines) == 2 and lines[0].startswith("[w1 w2] ") and lines[1].startswith("[] ")
     assert all(len(line.split("] ", 1)[1].split()) <= 7 for line in lines)
-    assert out_and_code(generate.main, argv, capsys)[1] == out
+    assert ok_out(generate.main, argv, capsys) == out
     # The name dir resolves to its highest version: a copy as version 2 says the same.
     name_dir = os.path.dirname(run["export"])
     shutil.copytree(run["export"], os.path.join(name_dir, "2"), dirs_exist_ok=True)
-    assert out_and_code(generate.main, ["--model", name_dir] + argv[2:], capsys)[1] == out
+    assert ok_out(generate.main, ["--model", name_dir] + argv[2:], capsys) == out
 
 
 def test_generate_goes_on_across_sentence_ends_unless_told_to_stop(run, capsys):
@@ -88,8 +97,13 @@ def test_generate_goes_on_across_sentence_ends_unless_told_to_stop(run, capsys):
 
 def test_generate_greedy_ignores_the_seed(run, capsys):
     base = ["--model", run["export"], "--prompt", "w3", "--temperature", "0"]
-    outs = {out_and_code(generate.main, base + ["--seed", s], capsys)[1] for s in "123"}
+    outs = {ok_out(generate.main, base + ["--seed", s], capsys) for s in "123"}
     assert len(outs) == 1
+    assert next(iter(outs)).startswith("[w3] ")
+    # The seed is live when sampling, so the sameness above is greedy's doing. (This
+    # 5-step model's greedy continuation is all sentence ends, printed "[w3] ".)
+    sampled = {ok_out(generate.main, base[:-1] + ["1", "--seed", s], capsys) for s in "12"}
+    assert len(sampled) == 2, sampled
 
 
 @pytest.mark.parametrize("extra,message", [

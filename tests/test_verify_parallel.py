@@ -50,11 +50,34 @@ def test_parse_strategies_errors(text, match):
     (["--strategies", "tower:two"], "error: replica count 'two' of 'tower:two'"),
     (["--steps", "0"], "error: --steps must be >= 1, got 0"),
     (["--tolerance", "-1"], "error: --tolerance must be >= 0, got -1.0"),
+    (["--tolerance", "nan"], "error: --tolerance must be >= 0, got nan"),
+    (["--batch-size", "0"], "error: --batch-size must be >= 1, got 0"),
+    (["--eval-tolerance", "-0.5"], "error: --eval-tolerance must be >= 0, got -0.5"),
+    (["--clip-norm", "-2"], "error: --clip-norm must be >= 0, got -2.0"),
+    (["--lr", "0"], "error: --lr must be > 0, got 0.0"),
 ])
 def test_usage_errors_exit_2_with_one_line(argv, message, capsys):
     assert load_script().main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(message)
+
+
+def test_spec_refuses_an_unknown_mode():
+    """The command line's choices keep --mode right; a VerifySpec built in code is checked."""
+    with pytest.raises(ConfigError, match=r"^unknown mode 'words'; expected one of: sentence, "
+                                          r"stream$"):
+        VerifySpec(mode="words")
+
+
+def test_a_failed_multi_worker_job_is_one_line(monkeypatch, capsys):
+    """A worker process that fails: ClusterError (exit 2, no traceback), not a missing
+    result.npz."""
+    monkeypatch.setattr(verify, "run_job", lambda make_plan, command, out: 3)
+    setup = types.SimpleNamespace(spec=VerifySpec(), clip_norm=0.5,
+                                  initial_weights=[np.zeros(2, np.float32)])
+    with pytest.raises(verify.ClusterError, match=r"^the multi_worker:2 verify job failed "
+                                                  r"\(status 3\); its log is above$"):
+        verify.run_multi_worker(setup, 2)
 
 
 SLOTS = ([2.0], [0.1], [0.25, -0.5])  # step count, learning rate, a momentum slot
@@ -116,6 +139,66 @@ def test_compare_fails_missing_or_different_optimizer_variables():
     assert one_more_step.failures and one_more_step.max_abs_param_diff == 1.0
     short = compare(spec, setup, "strategy", 2, result([[1.0, 2.0]], norms=(1.0,)), ref)
     assert "trained 1 steps, not 2" in "; ".join(short.failures)
+
+
+@pytest.mark.parametrize("weights,slots,message", [
+    ([[1.0, 2.0]], SLOTS, "1 weight tensors, default 2"),
+    ([[1.0, 2.0], [3.0], [4.0]], SLOTS, "3 weight tensors, default 2"),
+    ([[1.0, 2.0], [3.0, 0.0]], SLOTS, "weight tensor 1 has shape (2,), default (1,)"),
+    ([[1.0, 2.0], [3.0]], SLOTS[:2] + ([0.25],), "optimizer variable 2 has shape (1,), "
+                                                  "default (2,)"),
+    # Without optimizer variables a missing last weight left nothing misaligned behind it.
+    ([[1.0, 2.0]], (), "1 weight tensors, default 2"),
+])
+def test_compare_fails_runs_whose_tensors_do_not_pair_up(weights, slots, message):
+    """Tensors are compared in order: one missing, one extra or one of another shape
+    fails the row by itself (max |dtheta| is then inf, not a difference of the wrong
+    pairs), here with the values of the tensors that are there all equal."""
+    spec = VerifySpec(steps=2)
+    setup = types.SimpleNamespace(clip_norm=0.5)
+    ref = result([[1.0, 2.0], [3.0]], slots=slots if slots == () else SLOTS)
+    row = compare(spec, setup, "tower", 2, result(weights, slots=slots), ref)
+    assert row.failures == [message]
+    assert row.max_abs_param_diff == float("inf")
+
+
+def test_compare_fails_two_runs_without_weights():
+    """Nothing compared is no match: two empty runs do not pass."""
+    spec = VerifySpec(steps=2)
+    empty = compare(spec, types.SimpleNamespace(clip_norm=0.5), "tower", 2,
+                    result([], slots=()), result([], slots=()))
+    assert empty.failures == ["default has 0 weight tensors: nothing to compare"]
+
+
+def test_compare_fails_a_run_that_did_not_train():
+    """Gradient norms all 0: the weights matching proves nothing, whichever run it is."""
+    spec = VerifySpec(steps=2)
+    setup = types.SimpleNamespace(clip_norm=0.5)
+    ref = result([[1.0, 2.0]])
+    still = compare(spec, setup, "tower", 2, result([[1.0, 2.0]], norms=(0.0, 0.0)), ref)
+    assert still.failures == ["tower:2's 2 gradient norms are all 0 (it did not train); a "
+                              "run that trains has some norm > 0"]
+    ref_still = compare(spec, setup, "tower", 2, result([[1.0, 2.0]]),
+                        result([[1.0, 2.0]], norms=(0.0, 0.0)))
+    assert ref_still.failures == ["default's 2 gradient norms are all 0 (it did not train); "
+                                  "a run that trains has some norm > 0"]
+    # One zero norm among others is a step that happened to have no gradient, not a failure.
+    assert compare(spec, setup, "tower", 2, result([[1.0, 2.0]], norms=(0.0, 1.0)),
+                   ref).failures == []
+
+
+def test_report_prints_each_new_failure_on_its_line(capsys):
+    spec = VerifySpec(steps=2)
+    setup = types.SimpleNamespace(clip_norm=0.5, clip_norm_auto=False, spec=spec)
+    ref = result([[1.0, 2.0], [3.0]])
+    rows = [compare(spec, setup, "tower", 2, result([[1.0, 2.0]]), ref),
+            compare(spec, setup, "mirrored", 2, result([[1.0, 2.0], [3.0]], norms=(0, 0)),
+                    ref)]
+    assert verify.report(setup, rows) == 1
+    fails = [line for line in capsys.readouterr().out.splitlines() if line.startswith("FAIL")]
+    assert fails == ["FAIL tower:2: 1 weight tensors, default 2",
+                     "FAIL mirrored:2: mirrored:2's 2 gradient norms are all 0 (it did not "
+                     "train); a run that trains has some norm > 0"]
 
 
 def table_rows(out):

@@ -393,17 +393,52 @@ def parse_strategies(text: str) -> tuple[tuple[str, int], ...]:
 
 
 # ------------------------------------------------------------------------- compare
+def structure_failures(result: RunResult, reference: RunResult) -> list[str]:
+    """Why ``result``'s tensors cannot be compared one by one with ``reference``'s: another
+    count of weights or of optimizer variables, or a tensor of another shape (tensors are
+    compared in order, so one missing would pair every later one with the wrong one)."""
+    failures = []
+    for kind, mine, ref in (("weight tensors", result.weights, reference.weights),
+                            ("optimizer variables", result.slots, reference.slots)):
+        if len(mine) != len(ref):
+            failures.append(f"{len(mine)} {kind}, default {len(ref)}")
+            continue
+        for i, (a, b) in enumerate(zip(mine, ref)):
+            if np.shape(a) != np.shape(b):
+                failures.append(f"{kind[:-1]} {i} has shape {tuple(np.shape(a))}, default "
+                                f"{tuple(np.shape(b))}")
+    if not reference.weights:
+        failures.append("default has 0 weight tensors: nothing to compare")
+    return failures
+
+
+def untrained(who: str, norms: Sequence[float]) -> list[str]:
+    """A run whose every gradient norm is 0 did not train: matching it proves nothing."""
+    if norms and all(n == 0 for n in norms):
+        return [f"{who}'s {len(norms)} gradient norms are all 0 (it did not train); a run "
+                "that trains has some norm > 0"]
+    return []
+
+
 def compare(spec: VerifySpec, setup: Setup, name: str, replicas: int, result: RunResult,
             reference: RunResult) -> Row:
-    """One report row: ``result`` against ``reference`` (the default strategy's run)."""
-    diff = max(float(np.max(np.abs(a - b))) if a.size else 0.0
-               for a, b in zip(result.weights + result.slots,
-                               reference.weights + reference.slots))
+    """One report row: ``result`` against ``reference`` (the default strategy's run).
+
+    It fails when the two runs' tensors differ in count or shape (max |dtheta| is then
+    inf), when either run's gradient norms are all 0, and when a difference passes a
+    tolerance.
+    """
+    failures = structure_failures(result, reference)
+    if failures:
+        diff = float("inf")
+    else:
+        diff = max((float(np.max(np.abs(a - b))) if a.size else 0.0
+                    for a, b in zip(result.weights + result.slots,
+                                    reference.weights + reference.slots)), default=0.0)
     ppl, ref_ppl = (perplexity(result.eval_nll, result.eval_count),
                     perplexity(reference.eval_nll, reference.eval_count))
     rel = abs(ppl - ref_ppl) / ref_ppl
-    failures = []
-    if not diff <= spec.tolerance:  # "not <=" also catches NaN.
+    if not failures and not diff <= spec.tolerance:  # "not <=" also catches NaN.
         failures.append(f"max |dtheta| {diff:.3g} > tolerance {spec.tolerance:g}")
     if not rel <= spec.eval_tolerance:
         failures.append(f"eval perplexity relative difference {rel:.3g} > eval-tolerance "
@@ -411,11 +446,10 @@ def compare(spec: VerifySpec, setup: Setup, name: str, replicas: int, result: Ru
     if result.eval_count != reference.eval_count:
         failures.append(f"eval saw {result.eval_count:.0f} tokens, default "
                         f"{reference.eval_count:.0f}")
-    if len(result.slots) != len(reference.slots):
-        failures.append(f"{len(result.slots)} optimizer variables, default "
-                        f"{len(reference.slots)}")
     if len(result.grad_norms) not in (0, spec.steps):
         failures.append(f"trained {len(result.grad_norms)} steps, not {spec.steps}")
+    failures += untrained(f"{name}:{replicas}", result.grad_norms)
+    failures += untrained("default", reference.grad_norms)
     clipped = sum(n > setup.clip_norm for n in result.grad_norms)
     return Row(name, replicas, diff, rel, clipped, len(result.grad_norms), result.seconds,
                failures)
