@@ -65,6 +65,38 @@ def test_every_line_once_and_padding_low():
     assert (slots - real) / slots < 0.05
 
 
+def test_sentence_mode_batches_are_full_except_the_epochs_last():
+    """The buckets' partial last batches are joined: an epoch never ends with dozens of
+    steps of a few rows each (full-size updates from a handful of sentences)."""
+    lines = make_lines(2000)
+    data = make_data(lines)
+    for training in (True, False):
+        sizes = [b["targets"].shape[0] for b in data.batches("train", training=training,
+                                                             batch_size=16)]
+        assert len(data.boundaries) >= 5  # several buckets, each with a partial batch
+        assert set(sizes[:-1]) == {16}
+        assert sizes[-1] == 2000 - 16 * (len(sizes) - 1)
+
+
+def test_fill_partial_batches_joins_rows_in_order_and_trims_padding():
+    from tfpar.data.pipeline import fill_partial_batches
+
+    def batch(rows, length):
+        x = np.zeros([len(rows), length], np.int32)
+        for i, r in enumerate(rows):
+            x[i, :len(r)] = r
+        return {"inputs": x, "targets": x}
+
+    parts = [batch([[1, 2], [3, 4]], 2), batch([[5]], 4), batch([[6, 7, 8]], 3),
+             batch([[9, 9], [9, 9]], 2), batch([[10]], 1)]
+    ds = tf.data.Dataset.from_generator(
+        lambda: iter(parts), output_signature={k: tf.TensorSpec([None, None], tf.int32)
+                                               for k in ("inputs", "targets")})
+    out = [b["inputs"].numpy().tolist() for b in fill_partial_batches(ds, 2)]
+    # Full batches pass through; [5] and [6 7 8] wait for each other, [10] ends the epoch.
+    assert out == [[[1, 2], [3, 4]], [[5, 0, 0], [6, 7, 8]], [[9, 9], [9, 9]], [[10]]]
+
+
 def test_shuffle_is_seeded_and_changes_per_epoch():
     data = make_data(make_lines(300))
     first = [rows(b) for b in data.batches("train", training=True, epoch=0, batch_size=8)]

@@ -18,9 +18,10 @@ ends so the first word is predicted from a sentence start and the end is predict
     inputs:   <eos> w1  w2 … wn            (n + 1 tokens)
     targets:        w1  w2 … wn  <eos>     (n + 1 tokens)
 
-Examples are shuffled by a seeded permutation that changes each epoch, bucketed by
-length (boundaries chosen from the train length histogram), padded to the longest in the
-batch and prefetched.
+Examples are shuffled (seeded, changing each epoch), bucketed by length (boundaries
+chosen from the train length histogram), padded to the longest in the batch and
+prefetched; the buckets' partial last batches are joined into full batches
+(:func:`fill_partial_batches`), so only an epoch's last batch may hold fewer rows.
 
 Stream mode (``--mode stream``). The split is one long token stream (every line followed
 by ``<eos>``), cut into ``B`` contiguous columns of equal length (the last ``N mod B``
@@ -130,6 +131,56 @@ def bucket_boundaries(lengths: np.ndarray, max_length: int, max_pad_fraction: fl
         boundaries.append(end + 1)
         start = end + 1
     return boundaries[:-1]
+
+
+def fill_partial_batches(batches: tf.data.Dataset, batch_size: int) -> tf.data.Dataset:
+    """Bucketed batches with the buckets' partial last batches joined into full ones.
+
+    ``bucket_by_sequence_length`` ends an epoch by flushing every bucket's partial batch:
+    dozens of steps of a few rows each, at the end of every epoch. Each is a full-size
+    (clipped) update from a handful of sentences, right before evaluation; on the
+    quick start's 43 of 1,020 steps they cost 8% of valid perplexity. Here rows of
+    partial batches wait in a buffer and leave as batches of ``batch_size`` rows (padded
+    to their longest), in order; only the epoch's last batch may be smaller.
+
+    Elements: {"inputs": [b, T], "targets": [b, T]} in and out.
+    """
+    marker = {"inputs": tf.zeros([0, 1], tf.int32), "targets": tf.zeros([0, 1], tf.int32)}
+    tagged = batches.map(lambda b: (b, False)).concatenate(
+        tf.data.Dataset.from_tensors((marker, True)))
+
+    def join(a, b):
+        length = tf.maximum(tf.shape(a)[1], tf.shape(b)[1])
+        pad = lambda x: tf.pad(x, [[0, 0], [0, length - tf.shape(x)[1]]],  # noqa: E731
+                               constant_values=PAD_ID)
+        return tf.concat([pad(a), pad(b)], axis=0)
+
+    def step(held, element):
+        batch, end = element
+        rows = tf.shape(batch["targets"])[0]
+        full = tf.logical_and(rows == batch_size, tf.logical_not(end))
+
+        def pass_through():
+            return held, (batch, True)
+
+        def hold():
+            joined = {k: join(held[k], batch[k]) for k in held}
+            n = tf.shape(joined["targets"])[0]
+            ready = tf.logical_or(n >= batch_size, tf.logical_and(end, n > 0))
+            take = tf.where(ready, tf.minimum(n, batch_size), 0)
+            out = {k: _trim_columns(v[:take]) for k, v in joined.items()}
+            return {k: v[take:] for k, v in joined.items()}, (out, ready)
+
+        return tf.cond(full, pass_through, hold)
+
+    start = {k: tf.zeros([0, 1], tf.int32) for k in ("inputs", "targets")}
+    return tagged.scan(start, step).filter(lambda b, ready: ready).map(lambda b, ready: b)
+
+
+def _trim_columns(x: tf.Tensor) -> tf.Tensor:
+    """[b, T] ids without the trailing columns that are padding in every row."""
+    length = tf.reduce_max(tf.reduce_sum(tf.cast(x != PAD_ID, tf.int32), axis=1))
+    return x[:, :tf.maximum(length, 1)]
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -363,12 +414,12 @@ class InputData:
         from the lines pipeline ``index`` of ``pipelines`` reads."""
         ds = self._examples(self.pipeline_lines(split, shuffle=shuffle, epoch=epoch,
                                                 pipelines=pipelines, index=index))
-        return ds.bucket_by_sequence_length(
+        return fill_partial_batches(ds.bucket_by_sequence_length(
             lambda ex: tf.shape(ex["targets"])[0],
             bucket_boundaries=self.boundaries,
             bucket_batch_sizes=[batch_size] * (len(self.boundaries) + 1),
             padding_values={"inputs": PAD_ID, "targets": PAD_ID},
-        )
+        ), batch_size)
 
     # -- stream mode
     def stream_columns(self, split: str, batch_size: int) -> StreamColumns:
