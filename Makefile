@@ -23,7 +23,7 @@ train: install
 # end of the queue does not leave a core idle. JOBS=0: serial.
 JOBS ?= auto
 test: install
-	$(PY) -m pytest -q -n $(JOBS) --dist worksteal $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(JOBS) --dist worksteal --cov --cov-report=term $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs
