@@ -74,3 +74,15 @@ def test_the_resolved_configuration_is_logged_and_saved(tiny_corpus_dir, tmp_pat
     stored = json.loads((tmp_path / "run" / "config.json").read_text())
     assert (stored["train"]["optimizer"], stored["train"]["lr"], stored["data"]["bptt"],
             stored["model"]["hidden_dim"], stored["model"]["layers"]) == ("sgd", 20.0, 8, 16, 2)
+
+
+def test_abbreviated_flags_are_refused_so_a_preset_cannot_override_them(capsys):
+    """``--epoch 3`` once passed as ``--epochs 3`` for argparse, but the preset merge looks
+    for the flags by their full names, so the preset's 13 epochs won: refused instead."""
+    from tfpar.tools.cli import train_main
+
+    with pytest.raises(SystemExit) as exit_:
+        train_main(["--preset", "ptb-small", "--epoch", "3", "--hidden", "300"])
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "train.py: error: unrecognized arguments: --epoch 3 --hidden 300"

@@ -224,6 +224,9 @@ def train_parser() -> argparse.ArgumentParser:
         prog="train.py",
         description="Train an RNN language model on one or many devices, evaluate it, "
                     "write TensorBoard events and export a SavedModel.",
+        # No abbreviations: a preset merges with the flags given by their full names, so
+        # "--epoch 3" would be accepted here and then lose to the preset's epochs.
+        allow_abbrev=False,
     )
     add_preset_flag(p)
     add_distribution_flags(p)
