@@ -54,6 +54,11 @@ def open_model_dir(config: Config, is_chief: bool, *, vocab: Vocab | None = None
     lock = WriterLock(model_dir) if is_chief else None
     if lock is not None:
         lock.acquire()
+    if config.run.model_dir:
+        log.info("model dir %s", model_dir)
+    else:
+        log.info("model dir %s (none was given: run again with --model-dir %s to resume "
+                 "this run)", model_dir, model_dir)
     try:
         check_config_file(model_dir, config, is_chief, vocab=vocab)
         yield model_dir

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -279,9 +280,14 @@ class Loop:
     def check_stop_signal(self) -> None:
         if self.stop_signal.received:
             self.checkpointer.save(self.step)
+            # The default model dir is new for every run: then the same command would not
+            # resume, so the message says which flag does.
+            again = ("again" if self.config.run.model_dir else
+                     f"with --model-dir {os.path.dirname(self.checkpointer.directory)}")
             raise Interrupted(
                 f"stopped by {self.stop_signal.received} after step {self.step}; checkpoint "
-                f"saved in {self.checkpointer.directory}; run the same command again to resume"
+                f"saved in {self.checkpointer.directory}; run the same command {again} to "
+                "resume"
             )
 
     def non_finite(self, step: int, nll: float, norm: float, position: int) -> None:
