@@ -39,3 +39,34 @@ def test_the_stop_message_names_the_model_dir_when_none_was_given(given, again):
     assert saved == [7]
     assert str(stop.value) == ("stopped by SIGTERM after step 7; checkpoint saved in "
                                f"runs/x/checkpoints; run the same command {again} to resume")
+
+
+def test_the_progress_bar_shows_the_epochs_perplexity_so_far_per_token():
+    """The bar's ppl after the last record is exp(total nll / total tokens), the epoch
+    line's train ppl, not the mean of the steps' perplexities."""
+    import math
+
+    from tfpar.objective.losses import perplexity
+    from tfpar.training.hooks import ProgressHook, Record
+
+    hook = ProgressHook()
+    hook.start_epoch(3)
+    records = [Record(step=1, steps=1, nll=80.0, count=10.0, grad_norm=1.0, seconds=1.0,
+                      learning_rate=1.0),
+               Record(step=2, steps=1, nll=60.0, count=30.0, grad_norm=1.0, seconds=1.0,
+                      learning_rate=1.0),
+               Record(step=3, steps=1, nll=20.0, count=20.0, grad_norm=1.0, seconds=2.0,
+                      learning_rate=1.0)]
+    for r in records:
+        hook(r)
+    def shown(key):  # what the bar prints: Keras keeps [value * steps, steps] (or [v, 1])
+        total, steps = hook.bar._values[key]
+        return total / max(steps, 1)
+
+    assert shown("ppl") == pytest.approx(perplexity(160.0, 60.0))
+    assert shown("ppl") == pytest.approx(math.exp(160.0 / 60.0))
+    assert shown("loss") == pytest.approx(160.0 / 60.0)
+    assert shown("tok/s") == pytest.approx(60.0 / 4.0)
+    hook.start_epoch(3)  # a new epoch starts from nothing
+    hook(records[2])
+    assert shown("ppl") == pytest.approx(math.e)

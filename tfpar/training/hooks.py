@@ -65,15 +65,24 @@ class CheckpointHook:
 
 
 class ProgressHook:
-    """A Keras progress bar per epoch."""
+    """A Keras progress bar per epoch. Its loss and ppl are the epoch's so far, per token
+    (``exp(total nll / total tokens)``, the figure the epoch line prints at the end), and
+    tok/s the epoch's rate so far; Keras' own averaging of per-step values would show the
+    mean of per-step perplexities, which early high-loss steps dominate."""
 
     def __init__(self):
         self.bar = None
+        self.nll = self.count = self.seconds = 0.0
 
     def start_epoch(self, total: int | None) -> None:
-        self.bar = keras.utils.Progbar(total, unit_name="step")
+        self.bar = keras.utils.Progbar(total, unit_name="step",
+                                       stateful_metrics=["loss", "ppl", "tok/s"])
+        self.nll = self.count = self.seconds = 0.0
 
     def __call__(self, r: Record) -> None:
         if self.bar is not None:
-            self.bar.add(r.steps, [("loss", r.loss), ("ppl", math.exp(min(r.loss, 50.0))),
-                                   ("tok/s", r.tokens_per_sec)])
+            self.nll, self.count = self.nll + r.nll, self.count + r.count
+            self.seconds += r.seconds
+            loss = self.nll / max(self.count, 1.0)
+            self.bar.add(r.steps, [("loss", loss), ("ppl", math.exp(min(loss, 50.0))),
+                                   ("tok/s", self.count / max(self.seconds, 1e-9))])
