@@ -70,3 +70,32 @@ def test_the_progress_bar_shows_the_epochs_perplexity_so_far_per_token():
     hook.start_epoch(3)  # a new epoch starts from nothing
     hook(records[2])
     assert shown("ppl") == pytest.approx(math.e)
+
+
+def test_each_epoch_appends_a_line_to_metrics_jsonl_and_a_resumed_run_goes_on(tiny_args,
+                                                                             tmp_path, capsys):
+    import json
+
+    from conftest import assert_resumed_from
+    from tfpar.tools.cli import train_main
+
+    args = list(tiny_args)
+    args[args.index("--max-steps") + 1] = "1000"
+    args += ["--no-export", "--optimizer", "sgd", "--lr", "0.8", "--lr-decay", "0.5",
+             "--decay-after", "1"]
+    assert train_main(args[:args.index("--epochs") + 1] + ["2"] + args[args.index("--epochs") + 2:]) == 0
+    err = capsys.readouterr().err
+    path = tmp_path / "run" / "metrics.jsonl"
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["epoch"] for x in lines] == [1, 2]
+    assert lines[0]["learning_rate"] == pytest.approx(0.8)
+    assert lines[1]["learning_rate"] == pytest.approx(0.4)
+    assert lines[1]["step"] == 2 * lines[0]["step"] > 0
+    last_epoch = [x for x in err.splitlines() if "epoch 2/2: train ppl" in x][0]
+    assert f"valid ppl {lines[1]['valid_ppl']:.2f}," in last_epoch
+    assert f"train ppl {lines[1]['train_ppl']:.2f}," in last_epoch
+    assert train_main(args[:args.index("--epochs") + 1] + ["3"] + args[args.index("--epochs") + 2:]) == 0
+    assert_resumed_from(capsys.readouterr().err, lines[1]["step"])
+    more = [json.loads(x) for x in path.read_text().splitlines()]
+    assert more[:2] == lines and [x["epoch"] for x in more] == [1, 2, 3]
+    assert more[2]["learning_rate"] == pytest.approx(0.2)

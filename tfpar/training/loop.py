@@ -10,6 +10,7 @@ checkpoints are hooks, not branches of the loop.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -52,6 +53,18 @@ def evaluate(plugin, eval_step, data, split: str, batch_size: int) -> tuple[floa
         nll += float(out.nll_sum)
         count += float(out.count)
     return nll, count
+
+
+# One JSON object per finished epoch, appended in the model dir (a resumed run goes on
+# appending): the learning curve without TensorBoard.
+EPOCH_METRICS = "metrics.jsonl"
+
+
+def append_epoch_metrics(model_dir: str, line: dict) -> None:
+    """Appends ``line`` (epoch, step, train_ppl, valid_ppl, learning_rate,
+    tokens_per_sec, seconds) to ``model_dir/metrics.jsonl``."""
+    with tf.io.gfile.GFile(os.path.join(model_dir, EPOCH_METRICS), "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 class Loop:
@@ -257,11 +270,17 @@ class Loop:
         began, before = self.epoch_began
         p = self.progress
         tokens, seconds = p.tokens - before.tokens, p.seconds - before.seconds
+        train_ppl = perplexity(p.nll - before.nll, p.count - before.count)
+        elapsed = time.perf_counter() - began
         log.info("epoch %d/%d: train ppl %.2f, valid ppl %.2f, %s tokens/s, %s",
-                 epoch + 1, self.config.train.epochs,
-                 perplexity(p.nll - before.nll, p.count - before.count), ppl,
-                 f"{tokens / seconds:,.0f}" if seconds > 0 else "-",
-                 wall_time(time.perf_counter() - began))
+                 epoch + 1, self.config.train.epochs, train_ppl, ppl,
+                 f"{tokens / seconds:,.0f}" if seconds > 0 else "-", wall_time(elapsed))
+        if self.plugin.is_chief:
+            append_epoch_metrics(os.path.dirname(self.checkpointer.directory), {
+                "epoch": epoch + 1, "step": self.step, "train_ppl": train_ppl,
+                "valid_ppl": ppl, "learning_rate": float(self.state.optimizer.learning_rate),
+                "tokens_per_sec": tokens / seconds if seconds > 0 else None,
+                "seconds": elapsed})
         self.writer.scalars("eval", {"perplexity": ppl, "epoch": epoch + 1}, self.step)
         self.writer.end_epoch(self.state.model, self.step)
         self.last_epoch_batches = int(self.state.batch_in_epoch.numpy())
