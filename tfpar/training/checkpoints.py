@@ -16,6 +16,9 @@ import os
 import shutil
 import socket
 import tempfile
+import threading
+import time
+import uuid
 
 import tensorflow as tf
 
@@ -143,71 +146,112 @@ def warn_on_exactness_change(stored: Config, config: Config) -> None:
                     "from here on are" if now in ASYNCHRONOUS else "before this point were")
 
 
+# This process's identity in a lock, beside pid and host: a container restarted after a
+# crash usually keeps its hostname and its pid (often 1), so pid and host alone cannot tell
+# "this process holds it" from "my previous life held it".
+_INCARNATION = uuid.uuid4().hex
+
+
 class WriterLock:
-    """One writer per model dir: ``<model_dir>/LOCK`` holds the writer's pid and host.
+    """One writer per model dir: ``<model_dir>/LOCK`` holds the writer's pid, host and a
+    token of its process, and the holder refreshes the file's mtime every
+    ``heartbeat`` seconds (a lease).
 
     Created with ``O_CREAT | O_EXCL``, so of two runs started together exactly one gets
-    it; the other is refused with a one-line error. A lock whose process is gone (same
-    host, pid no longer running: a run killed with SIGKILL) is stale and taken over with
-    a warning. A lock from another host cannot be checked and is never taken over.
+    it; the other is refused with a one-line error, and so is a run that finds a live
+    holder. A lock is stale, and taken over with a warning, when
+      * it was written by this host and this pid but another process (a restarted
+        container: same hostname, same pid, new process), or
+      * its pid no longer runs on this host (a run killed with SIGKILL), or
+      * it comes from another host and its lease has expired: no heartbeat for
+        ``lease`` seconds (a job requeued on another node; the old node's clock is not
+        read, only the file's mtime on the shared filesystem, compared with its now).
     """
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, *, heartbeat: float = 30.0, lease: float = 300.0):
         self.model_dir = model_dir
         self.path = os.path.join(model_dir, LOCK_FILE)
+        self.heartbeat, self.lease = heartbeat, lease
         self.held = False
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
 
     def acquire(self) -> None:
-        me = {"pid": os.getpid(), "host": socket.gethostname()}
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "process": _INCARNATION}
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 holder = self._holder()
-                if not self._stale(holder, me["host"]):
+                why = self._stale(holder, me)
+                if not why:
                     raise ConfigError(
                         f"--model-dir {self.model_dir!r} is in use by pid {holder['pid']} "
                         f"on {holder['host']} (lock {self.path}); wait for that run to end, "
                         "or use another --model-dir") from None
-                log.warning("taking over the stale lock %s of pid %s on %s (no longer "
-                            "running)", self.path, holder.get("pid"), holder.get("host"))
+                log.warning("taking over the stale lock %s of pid %s on %s (%s)", self.path,
+                            holder.get("pid"), holder.get("host"), why)
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(self.path)
                 continue
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(me, f)
             self.held = True
+            self._stop.clear()
+            self._beat = threading.Thread(target=self._keep_alive, daemon=True,
+                                          name="model-dir-lock")
+            self._beat.start()
             return
         raise ConfigError(f"cannot take the lock {self.path}: other runs keep taking it; "
                           "use another --model-dir")
 
     def release(self) -> None:
         if self.held:
+            self._stop.set()
+            if self._beat is not None:
+                self._beat.join()
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.path)
             self.held = False
+
+    def _keep_alive(self) -> None:
+        """Refreshes the lock's mtime (the lease) until released."""
+        while not self._stop.wait(self.heartbeat):
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
 
     def _holder(self) -> dict:
         try:
             with open(self.path, encoding="utf-8") as f:
                 holder = json.load(f)
-            return {"pid": int(holder["pid"]), "host": str(holder["host"])}
+            return {"pid": int(holder["pid"]), "host": str(holder["host"]),
+                    "process": holder.get("process")}
         except (OSError, ValueError, KeyError, TypeError):
             return {"pid": None, "host": None}  # empty or torn: its writer died at once
 
-    @staticmethod
-    def _stale(holder: dict, host: str) -> bool:
+    def _stale(self, holder: dict, me: dict) -> str:
+        """Why ``holder``'s lock is stale ("" when it may still be in use)."""
         if holder["pid"] is None:
-            return True
-        if holder["host"] != host:
-            return False
+            return "empty or torn: its writer died while writing it"
+        if holder["host"] != me["host"]:
+            try:
+                idle = time.time() - os.path.getmtime(self.path)
+            except OSError:
+                return "gone"
+            if idle > self.lease:
+                return f"another host, no heartbeat for {idle:.0f} s, over the {self.lease:g} s lease"
+            return ""
+        if holder["pid"] == me["pid"]:
+            if holder.get("process") != me["process"]:
+                return "written by an earlier process with this pid: a restart"
+            return ""
         try:
             os.kill(holder["pid"], 0)
         except ProcessLookupError:
-            return True
+            return "no longer running"
         except PermissionError:
-            return False
-        return False
+            return ""
+        return ""
 
 
 class Checkpointer:
