@@ -471,3 +471,14 @@ def test_an_unreadable_file(tmp_path, monkeypatch):
     with pytest.raises(DataError, match=r"cannot read corpus file .*all\.txt: permission "
                                         r"denied; make it readable"):
         corpora.load_text_corpus(str(file))
+
+
+def test_tfds_data_without_tensorflow_datasets_is_a_one_line_error(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)  # import fails
+    with pytest.raises(DataError, match=r"^--data tfds:tiny_shakespeare needs the "
+                       r"tensorflow-datasets package, which is not installed; install it "
+                       r"with: pip install 'tfpar\[tfds\]' \(or pip install "
+                       r"tensorflow-datasets\)$"):
+        corpora.load_tfds("tiny_shakespeare")

@@ -412,7 +412,12 @@ def load_tfds(name: str, *, data_dir: str | None = None) -> Corpus:
         DataError: If the dataset is unknown, has no ``text`` feature, lacks a split, or
             is not prepared in ``data_dir`` (the message says how to prepare it online).
     """
-    import tensorflow_datasets as tfds  # Imported here: it takes seconds and pulls in TF.
+    try:  # Imported here: it takes seconds, and it is an optional dependency.
+        import tensorflow_datasets as tfds
+    except ImportError:
+        raise DataError(f"--data {TFDS_PREFIX}{name} needs the tensorflow-datasets package, "
+                        "which is not installed; install it with: pip install "
+                        "'tfpar[tfds]' (or pip install tensorflow-datasets)") from None
 
     builder = _tfds_builder(tfds, name, data_dir)
     _check_text_feature(tfds, builder, name)
