@@ -112,8 +112,9 @@ class DataConfig:
     # share of pad tokens stays below this fraction.
     max_pad_fraction: float = 0.02
     # Sentence-mode training shuffles each epoch's file (shard) order and then lines
-    # through a buffer of this many lines (bounded memory, whatever the corpus size).
-    shuffle_buffer: int = 10_000
+    # through a buffer of this many lines (bounded memory, whatever the corpus size). The
+    # default holds all of PTB (42,068 lines) or WikiText-2 (23,767), a full shuffle.
+    shuffle_buffer: int = 100_000
     # Synthetic corpus size, in sentences per split.
     synthetic_train: int = 20000
     synthetic_valid: int = 2000

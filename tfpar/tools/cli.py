@@ -104,9 +104,10 @@ def add_data_flags(p: argparse.ArgumentParser) -> None:
                    help="split | truncate sentences longer than --max-length")
     g.add_argument("--max-pad-fraction", type=float, default=0.02,
                    help="bucket boundaries keep expected padding below this share")
-    g.add_argument("--shuffle-buffer", type=int, default=10_000, metavar="LINES",
+    g.add_argument("--shuffle-buffer", type=int, default=100_000, metavar="LINES",
                    help="sentence mode: each epoch shuffles the shard order, then lines "
-                        "through a buffer of this many lines (memory stays bounded)")
+                        "through a buffer of this many lines (memory stays bounded; the "
+                        "default shuffles PTB or WikiText-2 whole) (default: %(default)s)")
     g.add_argument("--synthetic-sentences", default="20000,2000,2000",
                    help="synthetic corpus size: train,valid,test sentences")
 
