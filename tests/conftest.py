@@ -6,6 +6,7 @@ host without GPUs.
 """
 
 import os
+import re
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -95,6 +96,36 @@ def tiny_args(tiny_corpus_dir, tmp_path):
         "--model-dir", str(tmp_path / "run"), "--export-dir", str(tmp_path / "export"),
         "--metrics-json", str(tmp_path / "metrics.json"),
     ]
+
+
+RESUMED = re.compile(r"resumed from (.*?ckpt-(\d+)) \(step (\d+)\)")
+
+
+def resumed_steps(text) -> list[int]:
+    """The steps of every ``resumed from <dir>/ckpt-N (step N)`` line in a run's log (the
+    stderr of an in-process ``train_main``, a subprocess's output), in order. Training is
+    deterministic, so a run that ignored its checkpoint ends with the same tensors as one
+    that resumed: only this line tells them apart."""
+    steps = []
+    for path, number, step in RESUMED.findall(text):
+        assert int(number) == int(step), f"{path} logged as step {step}"
+        steps.append(int(step))
+    return steps
+
+
+def resumed_step(text) -> int | None:
+    """The step the run whose log is ``text`` resumed from; None: it started at step 0."""
+    steps = resumed_steps(text)
+    assert len(steps) <= 1, f"more than one resume in one run's log: {steps}"
+    return steps[0] if steps else None
+
+
+def assert_resumed_from(text, step) -> None:
+    """The run whose log is ``text`` restored the checkpoint of ``step`` (None: none)."""
+    got = resumed_step(text)
+    assert got == step, (f"the run resumed from step {got}, expected {step}" if got is not None
+                         else f"the run started at step 0, ignoring the checkpoint of step "
+                              f"{step}")
 
 
 def batch_of(rows):

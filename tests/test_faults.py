@@ -4,7 +4,10 @@ reported to have hit, and the one-line usage errors."""
 
 import importlib.util
 import os
+import random
+import re
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -151,13 +154,19 @@ def test_the_phase_a_kill_hit_is_read_from_the_output_and_the_files(case, want, 
 
 def test_killed_runs_resume_exactly(tmp_path, capsys):
     """Two rounds in stream mode (the carried state must resume too): each run killed at
-    a moment drawn from [0, T] and run again ends bit-identical to the reference."""
-    code = load_script().main(["kills", "--kills", "2", "--modes", "stream", "--seed", "10",
+    a moment drawn from [0, T] and run again ends bit-identical to the reference, having
+    restored the latest checkpoint the kill left (exact includes that check). Seed 2 draws
+    0.96 T and 0.95 T, late (the 30 steps and their checkpoints come at about 0.55 T on an
+    idle host, later on a loaded one), so a relaunch has a checkpoint to restore; seed 10's
+    0.57 T and 0.43 T landed before the first one, leaving nothing to resume."""
+    code = load_script().main(["kills", "--kills", "2", "--modes", "stream", "--seed", "2",
                                "--max-steps", "30", "--workdir", str(tmp_path / "w")])
     out = capsys.readouterr().out.strip().splitlines()
     assert code == 0, "\n".join(out)
-    assert [line.split("->")[1].split("(")[0].strip() for line in out
-            if line.startswith("[stream ")] == ["exact", "exact"]
+    rounds = [line for line in out if line.startswith("[stream ")]
+    assert [line.split("->")[1].split("(")[0].strip() for line in rounds] == ["exact", "exact"]
+    assert any("(resumed from step " in line for line in rounds), \
+        f"no relaunch had a checkpoint to restore, so none was checked: {rounds}"
     assert out[-2].startswith("phases hit: ")
     assert out[-1] == "kills tried 2, exact 2, not exact 0 (stream 2/2)"
     assert os.listdir(tmp_path / "w") == []  # the runs are cleaned up (no --keep)
@@ -169,10 +178,66 @@ def test_a_checkpoint_moved_between_strategies_matches_the_default_run(tmp_path,
                                "--workdir", str(tmp_path / "w")])
     out = capsys.readouterr().out
     assert code == 0, out
+    # The resume restored the checkpoint the kill left (the tool checks it against the
+    # state file: 8, or 4 if the kill came before the state file named ckpt-8).
+    resumed = re.search(r"stream mirrored:2 -> tower:3: resumed from step (\d+), max", out)
+    assert resumed and int(resumed.group(1)) in (4, 8), out
     row = [line for line in out.splitlines() if line.startswith("| mirrored:2 |")]
     assert len(row) == 1 and float(row[0].split("|")[2]) <= 1e-5
     assert out.strip().splitlines()[-1].endswith(", 0 above 1e-05")
     assert "matrix: 1 pairs, worst max |Δ| " in out
+
+
+@pytest.mark.parametrize("restored", [10, None, 5])
+def test_a_relaunch_must_restore_the_checkpoint_the_kill_left(restored, tmp_path, monkeypatch):
+    """Training is deterministic, so a relaunch that ignored its checkpoint and trained
+    from step 0 ends with the reference's tensors and metrics: the kill test and the
+    matrix also require its "resumed from" line to name the latest checkpoint the kill
+    left (here ckpt-10). The processes are faked: a kill that leaves ckpt-5 and ckpt-10,
+    a relaunch that logs ``restored`` (None: no line) and ends with the same tensors."""
+    log = (f"I tfpar.training.checkpoints: resumed from {tmp_path}/x/checkpoints/"
+           f"ckpt-{restored} (step {restored})" if restored is not None else CORPUS)
+    ref = faults.Reference(10.0, tensors(), {"steps": 40, "valid_ppl": 9.0, "test_ppl": 8.0},
+                           faults.Schedule(40, 5))
+
+    class FakeProcess:
+        def __init__(self, args, model_dir):
+            self.model_dir, self.output = model_dir, ""
+            self.proc = types.SimpleNamespace(returncode=None)
+
+        def kill_at(self, moment):
+            checkpoint_files(Path(self.model_dir), [5, 10], 10)
+            return True
+
+        def wait(self, timeout):
+            self.output = log
+            (Path(self.model_dir + "-export") / "tfpar_lm" / "1").mkdir(parents=True)
+            (Path(self.model_dir + "-export") / "tfpar_lm" / "1" / "saved_model.pb").touch()
+            return 0
+
+    monkeypatch.setattr(faults, "TrainProcess", FakeProcess)
+    monkeypatch.setattr(faults, "infer_phase", lambda *a: faults.Phase("training"))
+    monkeypatch.setattr(faults, "checkpoint_tensors", lambda model_dir: tensors())
+    monkeypatch.setattr(faults, "read_metrics", lambda path: dict(ref.metrics))
+    round_ = faults.kill_round(faults.KillSpec(max_steps=40), "stream", 1, ref,
+                               str(tmp_path), random.Random(0))
+    assert round_.comparison.exact and not round_.metrics_diff  # what the tensors show
+    assert round_.resumed_from == restored
+
+    source = tmp_path / "source"
+    checkpoint_files(source, [5, 10], 10)  # the checkpoints a killed source run left
+    monkeypatch.setattr(faults, "run_to_end", lambda *a, **k: log)
+    pair = faults.move_checkpoint("corpus", str(tmp_path), "stream", str(source), "mirrored:2",
+                                  "tower:3", faults.MatrixSpec(), tensors())
+    assert pair.resumed_from == restored
+    if restored == 10:
+        assert round_.exact and "-> exact (resumed from step 10; " in round_.line(1)
+        assert not pair.error and pair.worst == 0.0
+        return
+    want = ("started from step 0, ignoring the checkpoint of step 10" if restored is None
+            else "resumed from step 5, not the latest checkpoint (step 10)")
+    assert not round_.exact and f"-> NOT EXACT: {want} (" in round_.line(1)
+    assert pair.error == want and pair.worst == float("inf")
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -6,7 +6,7 @@ layer), so it moves too."""
 
 import pytest
 
-from conftest import PINNED
+from conftest import PINNED, assert_resumed_from, resumed_steps
 from tfpar.tools.cli import train_main
 from tfpar.tools.faults import checkpoint_tensors
 
@@ -26,8 +26,12 @@ def flags(corpus, model_dir, steps, mode):
             "--seed", "5", "--model-dir", str(model_dir)]
 
 
-def run(corpus, model_dir, strategy, steps, mode):
+def run(corpus, model_dir, strategy, steps, mode, capsys, resumes_from):
+    """Trains ``model_dir`` to ``steps``; it must resume from step ``resumes_from`` (None:
+    a fresh start), which equal final tensors alone would not show."""
+    capsys.readouterr()
     assert train_main(flags(corpus, model_dir, steps, mode) + STRATEGIES[strategy]) == 0
+    assert_resumed_from(capsys.readouterr().err, resumes_from)
 
 
 def weights(model_dir):
@@ -81,11 +85,13 @@ def tensors_at(model_dir, step):
     ("sentence", ["mirrored:2", "tower:3", "pipeline", "parallel_do:2"]),
     ("stream", ["pipeline", "mirrored:2", "tower:3"]),
 ], ids=lambda value: "-".join(value) if isinstance(value, list) else value)
-def test_a_checkpoint_moves_between_strategies(mode, chain, tiny_corpus_dir, still, tmp_path):
+def test_a_checkpoint_moves_between_strategies(mode, chain, tiny_corpus_dir, still, tmp_path,
+                                               capsys):
     steps = 0
     for i, strategy in enumerate(chain):
-        steps += TAIL if i == len(chain) - 1 else LEG
-        run(tiny_corpus_dir, tmp_path / "moved", strategy, steps, mode)
+        before, steps = steps, steps + (TAIL if i == len(chain) - 1 else LEG)
+        run(tiny_corpus_dir, tmp_path / "moved", strategy, steps, mode, capsys,
+            resumes_from=before or None)
         want, got = still(mode, steps), weights(tmp_path / "moved")
         where = f"{' -> '.join(chain[:i + 1])} at step {steps}"
         assert got.keys() == want.keys() and any(k.startswith("moments/") for k in got), where
@@ -107,7 +113,7 @@ def worst_difference(got, want) -> float:
 
 @pytest.mark.cluster
 def test_a_checkpoint_moves_into_and_out_of_a_multi_worker_job(tiny_corpus_dir, still,
-                                                               tmp_path):
+                                                               tmp_path, capsys):
     """Stream mode: 12 steps under mirrored:2, to 24 as two worker processes (each holds
     its replica's rows of the carried state), to 74 under default; against 74 straight."""
     import subprocess
@@ -115,16 +121,17 @@ def test_a_checkpoint_moves_into_and_out_of_a_multi_worker_job(tiny_corpus_dir, 
 
     from conftest import REPO
 
-    run(tiny_corpus_dir, tmp_path / "moved", "mirrored:2", 12, "stream")
+    run(tiny_corpus_dir, tmp_path / "moved", "mirrored:2", 12, "stream", capsys, None)
     job = subprocess.run(
         [sys.executable, f"{REPO}/scripts/launch_local.py", "--workers", "2", "--",
          "--strategy", "multi_worker", *flags(tiny_corpus_dir, tmp_path / "moved", 24, "stream")],
         cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert job.returncode == 0, job.stdout[-3000:]
-    assert "resumed from" in job.stdout and "(step 12)" in job.stdout
+    resumed = resumed_steps(job.stdout)  # each worker restores
+    assert resumed and set(resumed) == {12}, resumed
     assert int(weights(tmp_path / "moved")["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"]) \
         == 24
-    run(tiny_corpus_dir, tmp_path / "moved", "default", 74, "stream")
+    run(tiny_corpus_dir, tmp_path / "moved", "default", 74, "stream", capsys, 24)
     want, got = still("stream", 74), weights(tmp_path / "moved")  # 74 == LONGEST["stream"]
     assert got.keys() == want.keys()
     assert worst_difference(got, want) <= 1e-5

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
-from conftest import PINNED
+from conftest import PINNED, assert_resumed_from
 from tfpar.tools.cli import train_main
-from tfpar.tools.faults import (checkpoint_tensors, compare_tensors, start_train,
-                                write_tiny_corpus)
+from tfpar.tools.faults import (checkpoint_tensors, compare_tensors, latest_step,
+                                start_train, write_tiny_corpus)
 
 
 def run_args(corpus, tmp, name, steps=60):
@@ -107,10 +107,17 @@ def test_sigkill_then_resume_ends_with_the_same_parameters(point, reference, tmp
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
     assert not glob.glob(str(export_dir / "tfpar_lm" / "[0-9]*")), "half-written export visible"
+    # The checkpoint the kill left: the one the state file names, which lags the newest
+    # .index file while a checkpoint is finished (ckpt-4 can still be the latest when the
+    # kill comes with ckpt-6.index written).
+    left = latest_step(str(model_dir))
+    assert left is not None and left >= {"after-step-4": 2, "while-checkpointing": 4,
+                                         "while-exporting": 60}[point], left
 
     resumed = start(run_args(corpus, tmp_path, "run"))
     out, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, out
+    assert_resumed_from(out, left)
     assert_same_tensors(checkpoint_tensors(model_dir), expected)
     assert json.loads((tmp_path / "run.json").read_text())["steps"] == 60
     assert os.path.exists(export_dir / "tfpar_lm" / "1" / "saved_model.pb")
@@ -144,7 +151,7 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, capsys):
     assert train_main(args + ["--no-export"]) == 0
     log = capsys.readouterr().err
     assert "ckpt-6 is unreadable" in log
-    assert "resumed from" in log and "ckpt-4 (step 4)" in log
+    assert_resumed_from(log, 4)
     assert json.loads((tmp_path / "run.json").read_text())["steps"] == 8
 
 
@@ -193,29 +200,69 @@ def test_full_disk_while_checkpointing_is_one_line_and_keeps_the_last_checkpoint
 @pytest.mark.parametrize("strategy,mode", [("default", "sentence"), ("mirrored", "sentence"),
                                            ("default", "stream"), ("mirrored", "stream")])
 def test_a_resumed_run_repeats_an_uninterrupted_one_exactly(strategy, mode, tiny_corpus_dir,
-                                                            tmp_path):
+                                                            tmp_path, capsys):
     """60 steps, or 10 then 60 on the same model dir: every tensor bit-identical, and the
     same perplexities. Sentence mode: batch shapes vary, and a step function's graph must
     not depend on which shape it was first traced with (it once selected XLA kernels for
     the first shape only, so a resumed run drifted by ~1e-7 per weight). Stream mode: the
     checkpoint carries the recurrent state the next window starts from."""
-    def run(name, steps):
+    def run(name, steps, resumes_from=None):
         args = ["--data", str(tiny_corpus_dir), "--mode", mode, "--bptt", "8",
                 "--strategy", strategy, *PINNED, "--embed-dim", "16",
                 "--hidden-dim", "16", "--dropout", "0.1", "--batch-size", "8", "--epochs", "3",
                 "--max-steps", str(steps), "--no-progress", "--no-export", "--deterministic",
                 "--checkpoint-every", "5", "--seed", "3", "--model-dir", str(tmp_path / name),
                 "--metrics-json", str(tmp_path / f"{name}-{steps}.json")]
+        capsys.readouterr()
         assert train_main(args) == 0
+        assert_resumed_from(capsys.readouterr().err, resumes_from)
         return json.loads((tmp_path / f"{name}-{steps}.json").read_text())
 
     whole = run("whole", 60)
     run("resumed", 10)
-    resumed = run("resumed", 60)
+    resumed = run("resumed", 60, resumes_from=10)
     assert_same_tensors(checkpoint_tensors(tmp_path / "resumed"),
                         checkpoint_tensors(tmp_path / "whole"))
     assert (resumed["steps"], resumed["valid_ppl"], resumed["test_ppl"]) == \
         (whole["steps"], whole["valid_ppl"], whole["test_ppl"])
+
+
+def test_a_run_that_ignores_its_checkpoint_fails_the_resume_check(tiny_args, tmp_path, capsys,
+                                                                 monkeypatch):
+    """Training is deterministic, so a run that ignored its checkpoint and trained from
+    step 0 ends with the same tensors and step count as one that resumed; the resume
+    tests' check (the "resumed from .../ckpt-N (step N)" line) tells them apart."""
+    from tfpar.training.checkpoints import Checkpointer
+
+    args = tiny_args + ["--no-export", "--checkpoint-every", "1"]
+    assert train_main(with_max_steps(args, 2)) == 0
+    saved = []
+    real_save = Checkpointer.save
+
+    def save(self, step):
+        saved.append(step)
+        real_save(self, step)
+
+    monkeypatch.setattr(Checkpointer, "restore_latest", lambda self: None)  # the bug
+    monkeypatch.setattr(Checkpointer, "save", save)
+    capsys.readouterr()
+    assert train_main(with_max_steps(args, 3)) == 0
+    err = capsys.readouterr().err
+    # What the final-tensor comparisons see: the step count the resumed run would reach.
+    assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 3
+    assert int(checkpoint_tensors(tmp_path / "run")[
+        "optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"]) == 3
+    # What the resume check sees: no "resumed from" line, and training from step 0.
+    assert "resumed from" not in err and sorted(set(saved)) == [1, 2, 3]
+    with pytest.raises(AssertionError, match="started at step 0, ignoring the checkpoint of "
+                                             "step 2"):
+        assert_resumed_from(err, 2)
+
+
+def with_max_steps(args, steps):
+    args = list(args)
+    args[args.index("--max-steps") + 1] = str(steps)
+    return args
 
 
 def test_writer_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(tmp_path, caplog):

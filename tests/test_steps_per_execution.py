@@ -6,7 +6,7 @@ import pytest
 from tfpar.tools.cli import train_main
 from tfpar.tools.faults import checkpoint_tensors
 from test_summaries import read_events
-from conftest import PINNED
+from conftest import PINNED, assert_resumed_from
 
 STRATEGIES = {
     "default": [],
@@ -56,15 +56,17 @@ def test_ten_steps_per_call_train_exactly_what_one_per_call_does(
 
 @pytest.mark.parametrize("mode", ["sentence", "stream"])
 def test_a_run_resumed_with_several_steps_per_call_ends_like_an_uninterrupted_one(
-        mode, module_tiny_corpus, tmp_path):
+        mode, module_tiny_corpus, tmp_path, capsys):
     """9 steps, then on to 25 (mid-epoch resume), 4 steps per call, against 25 straight
     with one per call."""
     extra = ["--mode", mode, "--bptt", "6", "--checkpoint-every", "0"]
     want = run(module_tiny_corpus, tmp_path / "straight", *extra, "--max-steps", "25")
     run(module_tiny_corpus, tmp_path / "resumed", *extra, "--max-steps", "9",
         "--steps-per-execution", "4")
+    capsys.readouterr()
     got = run(module_tiny_corpus, tmp_path / "resumed", *extra, "--max-steps", "25",
               "--steps-per-execution", "4")
+    assert_resumed_from(capsys.readouterr().err, 9)  # not 25 steps from scratch
     assert_equal_tensors(got, want)
 
 

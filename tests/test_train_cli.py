@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import REPO, without_gpus
+from conftest import REPO, assert_resumed_from, without_gpus
 from tfpar.data.vocab import Vocab
 from tfpar.tools.cli import train_main
 
@@ -33,10 +33,12 @@ def test_each_strategy_trains_evaluates_and_exports(strategy, tiny_args, tmp_pat
     assert any(e.startswith("events.out.tfevents") for e in events)
 
 
-def test_rerun_resumes_from_the_checkpoint(tiny_args, tmp_path):
+def test_rerun_resumes_from_the_checkpoint(tiny_args, tmp_path, capsys):
     assert train_main(tiny_args + ["--no-export"]) == 0
     args = [a if a != "6" else "9" for a in tiny_args]  # --max-steps 9
+    capsys.readouterr()
     assert train_main(args + ["--no-export"]) == 0
+    assert_resumed_from(capsys.readouterr().err, 6)
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["steps"] == 9
     ckpts = tf.train.get_checkpoint_state(str(tmp_path / "run" / "checkpoints"))
@@ -243,7 +245,9 @@ def test_the_global_batch_may_change_at_an_epoch_end(tiny_args, tmp_path, capsys
     args = with_flag(tiny_args + ["--no-export"], "--max-steps", "0")
     assert train_main(args) == 0  # one whole epoch
     first = json.loads((tmp_path / "metrics.json").read_text())["steps"]
+    capsys.readouterr()
     assert train_main(with_flag(with_flag(args, "--batch-size", "8"), "--epochs", "2")) == 0
+    assert_resumed_from(capsys.readouterr().err, first)
     second = json.loads((tmp_path / "metrics.json").read_text())["steps"]
     assert second > 2 * first  # the second epoch has twice as many (smaller) batches
     stored = json.loads((tmp_path / "run" / "config.json").read_text())
@@ -306,7 +310,7 @@ def test_a_previous_runs_vocab_file_gives_the_same_ids_and_metrics(tiny_args, tm
 
 
 def test_a_vocab_file_with_words_not_in_the_corpus_trains_exports_and_resumes(tiny_args,
-                                                                             tmp_path):
+                                                                             tmp_path, capsys):
     # The corpus has w0 .. w39: w20 .. w39 become <unk>, extra1/extra2 are never seen.
     tokens = ["<pad>", "<unk>", "<eos>"] + [f"w{i}" for i in range(20)] + ["extra1", "extra2"]
     file = tmp_path / "mine.txt"
@@ -324,8 +328,10 @@ def test_a_vocab_file_with_words_not_in_the_corpus_trains_exports_and_resumes(ti
         encoding="utf-8") == file.read_text(encoding="utf-8")
     moved = tmp_path / "moved.txt"  # the same contents elsewhere resume the run
     moved.write_bytes(file.read_bytes())
+    capsys.readouterr()
     assert train_main(with_flag(with_flag(args, "--vocab-file", str(moved)), "--max-steps", "3")
                       + ["--no-export"]) == 0
+    assert_resumed_from(capsys.readouterr().err, 2)
     assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 3
 
 

@@ -9,6 +9,9 @@ whatever is running then), optionally kills the resumed run too, runs the comman
 more to the end, and compares every tensor of the latest checkpoint (weights, optimizer
 slots and step count, epoch and batch counters, the carried stream state) with
 ``np.array_equal``, and the final metrics (steps, valid and test perplexity) with ``==``.
+Equal tensors alone would not show a resume (training is deterministic, so a run that
+ignored its checkpoint and started from step 0 ends the same), so each relaunch must also
+report ("resumed from ... (step N)") the latest checkpoint the kill left.
 Each kill is reported with the phase it hit, read from the killed process's output and
 what it left in the model dir (see :func:`infer_phase`).
 
@@ -290,6 +293,28 @@ def latest_step(model_dir: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+RESUMED = re.compile(r"resumed from .*\(step (\d+)\)")
+
+
+def resumed_step(output: str) -> int | None:
+    """The step a train.py run restored, from its ``resumed from <path> (step N)`` log
+    line; None: it started from step 0 (or had not restored yet)."""
+    m = RESUMED.search(output)
+    return int(m.group(1)) if m else None
+
+
+def resume_mismatch(resumed: int | None, expected: int | None) -> str:
+    """'' when a run restored ``expected``, the step of the latest checkpoint in its
+    model dir when it started (None: there was none), else what it did instead."""
+    if resumed == expected:
+        return ""
+    if resumed is None:
+        return f"started from step 0, ignoring the checkpoint of step {expected}"
+    if expected is None:
+        return f"resumed from step {resumed} with no checkpoint left"
+    return f"resumed from step {resumed}, not the latest checkpoint (step {expected})"
+
+
 def _listdir(path: str) -> list[str]:
     try:
         return os.listdir(path)
@@ -382,7 +407,7 @@ def infer_phase(proc: TrainProcess, export_dir: str, schedule: Schedule, moment:
         return Phase("start-up", "imports, devices, corpus")
     if "tfpar.serving.export: exported SavedModel" in text:
         return Phase("after export", "metrics JSON, closing")
-    resumed = re.search(r"resumed from .*\(step (\d+)\)", text)
+    resumed = RESUMED.search(text)
     own = {s: t for s, t in proc.seen.items() if s not in proc.initial}
     base = latest or 0
     if latest is not None and latest >= schedule.max_steps:
@@ -584,19 +609,28 @@ class Round:
     metrics_diff: list[str] = dataclasses.field(default_factory=list)
     error: str = ""
     seconds: float = 0.0
+    resumed_from: int | None = None  # the step the final run restored (None: step 0)
+    resume_error: str = ""  # a relaunch that did not restore the checkpoint it found
 
     @property
     def exact(self) -> bool:
         return not self.error and self.comparison is not None and self.comparison.exact \
-            and not self.metrics_diff
+            and not self.metrics_diff and not self.resume_error
 
     def line(self, total: int) -> str:
         kills = ", then ".join(f"killed at {k.moment:5.2f} s: {k.phase}" for k in self.kills)
         verdict = "exact" if self.exact else "NOT EXACT: " + "; ".join(
-            x for x in [self.error, *self.metrics_diff,
+            x for x in [self.error, self.resume_error, *self.metrics_diff,
                         self.comparison.describe() if self.comparison and
                         not self.comparison.exact else ""] if x)
-        return f"[{self.mode} {self.index}/{total}] {kills} -> {verdict} ({self.seconds:.1f} s)"
+        if self.comparison is None:  # the final run did not end
+            start = ""
+        elif self.resumed_from is None:
+            start = "started at step 0; "
+        else:
+            start = f"resumed from step {self.resumed_from}; "
+        return (f"[{self.mode} {self.index}/{total}] {kills} -> {verdict} "
+                f"({start}{self.seconds:.1f} s)")
 
 
 FINAL_METRICS = ("steps", "valid_ppl", "test_ppl")
@@ -627,6 +661,7 @@ def kill_round(spec: KillSpec, mode: str, index: int, ref: Reference, root: str,
     timeout = max(300.0, 20 * ref.seconds)
     for _ in range(spec.kills_per_run):
         moment = rng.uniform(0.0, ref.seconds)
+        left = latest_step(model_dir)  # what this run must restore
         proc = TrainProcess(args, model_dir)
         alive = proc.kill_at(moment)
         result.kills.append(Kill(moment, infer_phase(proc, export_dir, ref.schedule, moment,
@@ -636,13 +671,19 @@ def kill_round(spec: KillSpec, mode: str, index: int, ref: Reference, root: str,
                            f"kill: {last_line(proc.output)}"
             result.seconds = time.monotonic() - started
             return result
+        resumed = resumed_step(proc.output)
+        if resumed is not None or not alive:  # (a kill may come before the restore)
+            result.resume_error = result.resume_error or resume_mismatch(resumed, left)
         if not alive:
             break  # finished already: a further kill would hit nothing new
+    left = latest_step(model_dir)
     proc = TrainProcess(args, model_dir)
     code = proc.wait(timeout)
     if code != 0:
         result.error = f"the resumed run failed (status {code}): {last_line(proc.output)}"
     else:
+        result.resumed_from = resumed_step(proc.output)
+        result.resume_error = result.resume_error or resume_mismatch(result.resumed_from, left)
         result.comparison = compare_tensors(checkpoint_tensors(model_dir), ref.tensors)
         metrics = read_metrics(os.path.join(root, name + ".json"))
         result.metrics_diff = [f"{k} {metrics.get(k)!r} != {ref.metrics.get(k)!r}"
@@ -818,6 +859,7 @@ def move_checkpoint(corpus: str, root: str, mode: str, source_dir: str, source: 
     pair = Pair(mode, source, target)
     model_dir = f"{source_dir}-to-{target.replace(':', '')}"
     shutil.copytree(source_dir, model_dir)
+    left = latest_step(model_dir)  # the checkpoint the kill left, what must be restored
     try:
         output = run_to_end(matrix_run_args(corpus, model_dir, target, spec.steps, mode,
                                             spec.checkpoint_every), model_dir,
@@ -825,10 +867,10 @@ def move_checkpoint(corpus: str, root: str, mode: str, source_dir: str, source: 
     except RuntimeError as e:
         pair.error = str(e)
         return pair
-    m = re.search(r"resumed from .*\(step (\d+)\)", output)
-    pair.resumed_from = int(m.group(1)) if m else None
-    if pair.resumed_from is None:
-        pair.error = "the target run did not resume from a checkpoint"
+    pair.resumed_from = resumed_step(output)
+    if pair.resumed_from is None or pair.resumed_from != left:
+        pair.error = resume_mismatch(pair.resumed_from, left) or \
+            "the target run did not resume from a checkpoint"
         return pair
     pair.comparison = compare_tensors(checkpoint_tensors(model_dir), expected)
     if not spec.keep:
