@@ -121,4 +121,45 @@ def test_two_worker_processes_match_one_device(tmp_path, capsys, softmax):
     assert rows["multi_worker"]["replicas"] == 2
     assert rows["multi_worker"]["max_abs_param_diff"] <= 1e-5
     assert rows["multi_worker"]["eval_ppl_rel_diff"] <= 1e-6
-    assert "[worker 1]" in capsys.readouterr().err  # the workers' logs, prefixed
+    captured = capsys.readouterr()
+    assert "[worker 1]" in captured.err  # the workers' logs, prefixed
+    # The automatic clip norm (the median of the first steps' gradient norms) clipped
+    # some of the 10 steps and not others: the report's "clipped" column.
+    clipped = [line.split()[4] for line in captured.out.splitlines()
+               if line.startswith("multi_worker ")]
+    assert len(clipped) == 1 and 0 < int(clipped[0].split("/")[0]) < 10, captured.out
+
+
+@pytest.mark.cluster
+def test_two_worker_processes_carry_the_stream_state_of_one_device(tmp_path):
+    """--mode stream: verify's multi_worker runner (2 worker processes, 5 of the 10 rows
+    each) against one device, for verify's 10 steps with its automatic clip norm: clipped
+    and unclipped steps, the same norms, weights, momentum slots and eval, and the same
+    recurrent state carried out of the last window (each worker's rows, gathered)."""
+    from conftest import REPO
+    from equivalence import Run, assert_equivalent, run_with_state
+    from tfpar.config import DistConfig
+    from tfpar.tools import verify
+
+    setup = verify.build_setup(verify.VerifySpec(strategies=(("multi_worker", 2),),
+                                                 mode="stream"))
+    assert setup.clip_norm_auto and setup.spec.steps == 10
+    ref = run_with_state(verify.run_plugin, setup, DistConfig())
+
+    state_path = str(tmp_path / "state.npz")
+    real_run_job = verify.run_job
+
+    def run_job(make_plan, command, out):  # each worker records its steps, the chief saves
+        def recorded(task):
+            python, flag, code = command(task)
+            return [python, flag, f"import sys; sys.path.insert(0, {REPO + '/tests'!r}); "
+                                  f"from equivalence import record_worker; "
+                                  f"record_worker({code!r}, {state_path!r})"]
+        return real_run_job(make_plan, recorded, out=out)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(verify, "run_job", run_job)
+        result = verify.run_multi_worker(setup, 2)
+    with np.load(state_path) as saved:
+        state = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    assert_equivalent(Run(result, state), ref, setup)

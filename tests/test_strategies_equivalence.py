@@ -2,39 +2,39 @@
 
 Same initial weights, same global batches (bucketed, variable-length: replicas hold
 unequal token counts, and 10 rows do not split evenly over 3 replicas), dropout off, SGD
-with momentum (its slots are compared like the weights), and a clip norm between the
-gradient norms, so some steps are clipped after aggregation and some are not: on a clipped
-step a gradient off by a constant factor gives the same update, on an unclipped one not.
+with momentum (its slots are compared like the weights), equivalence.STEPS steps, and
+verify's automatic clip norm (the median of the first steps' gradient norms), so some
+steps are clipped after aggregation and some are not (asserted): on a clipped step a
+gradient off by a constant factor gives the same update, on an unclipped one not. In
+stream mode the state carried out of the last window is compared too.
 """
 
 import functools
 
 import pytest
 
-from conftest import assert_clipped_and_unclipped, assert_same_training, make_lines, max_diff
+from conftest import make_lines, max_diff
+from equivalence import assert_equivalent, auto_clip_norm, make_setup, run_with_state
 from tfpar.config import DataConfig, DistConfig, ModelConfig
 from tfpar.data.pipeline import InputData
 from tfpar.model.lm import build_model
 from tfpar.parallel.registry import build_strategy
 from tfpar.training.loop import evaluate
-from tfpar.tools.verify import Setup, VerifySpec, run_plugin
+from tfpar.tools.verify import Setup, run_pipeline, run_plugin
 from tfpar.data.vocab import Vocab
 
 MODEL = ModelConfig(embed_dim=16, hidden_dim=16)
-CLIP = 0.155  # Between the runs' gradient norms (asserted): some steps clipped, some not.
-STEPS = 3
 BATCH = 10
 CPU = tuple(f"/device:CPU:{i}" for i in range(4))
 
 
 @functools.lru_cache(maxsize=None)
 def setup(mode):
+    """The data, initial weights and (automatic) clip norm of every run of one mode."""
     lines = make_lines(160, seed=0)
     data = InputData({"train": lines, "valid": make_lines(30, seed=1), "test": lines[:5]},
                      Vocab.build(lines), DataConfig(mode=mode, bptt=6, max_length=20), seed=1)
-    weights = build_model(MODEL, len(data.vocab), seed=0).get_weights()
-    spec = VerifySpec(steps=STEPS, batch_size=BATCH, mode=mode, lr=0.5)
-    return Setup(spec, data, MODEL, weights, CLIP, clip_norm_auto=False)
+    return make_setup(data, MODEL, mode, batch_size=BATCH)
 
 
 def dist_config(strategy, replicas):
@@ -45,21 +45,19 @@ def dist_config(strategy, replicas):
 
 @functools.lru_cache(maxsize=None)
 def run(strategy, replicas, mode):
-    return run_plugin(setup(mode), dist_config(strategy, replicas))
+    """STEPS steps from the shared weights, and the state carried out of the last window."""
+    return run_with_state(run_plugin, setup(mode), dist_config(strategy, replicas))
 
 
 @pytest.mark.parametrize("mode", ["sentence", "stream"])
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_mirrored_matches_default_with_clipping(replicas, mode):
+    """Norms, weights, momentum slots, (stream) the carried state gathered from the
+    replicas, and the eval of the trained weights, distributed like training. (tower
+    and parallel_do: test_tower, test_parallel_do.)"""
     ref, got = run("default", 1, mode), run("mirrored", replicas, mode)
-    assert_clipped_and_unclipped(ref.grad_norms, CLIP)
-    assert max_diff(ref.weights, setup(mode).initial_weights) > 1e-3  # Training moved them.
-    assert len(got.slots) == len(ref.slots)
-    assert max_diff(ref.slots[2:], [0 * w for w in ref.weights]) > 1e-3  # Momentum built up.
-    assert_same_training(got, ref, STEPS)  # norms, weights, slots
-    # Eval of the trained weights, distributed like training.
-    assert got.eval_count == ref.eval_count
-    assert got.eval_nll == pytest.approx(ref.eval_nll, rel=1e-6)
+    assert max_diff(ref.result.slots[2:], [0 * w for w in ref.result.weights]) > 1e-3  # Momentum.
+    assert_equivalent(got, ref, setup(mode))
 
 
 @pytest.mark.parametrize("mode", ["sentence", "stream"])
@@ -103,25 +101,19 @@ def sampled_setup(mode, tie):
     the clip norm is the median of the first steps' gradient norms, as verify picks it."""
     import dataclasses
 
-    import numpy as np
-
-    from tfpar.tools.verify import initial_gradient_norms
-
     base = setup(mode)
     config = dataclasses.replace(MODEL, softmax="sampled", num_sampled=8, tie_embeddings=tie)
-    model = build_model(config, len(base.data.vocab), seed=0)
-    clip = float(np.median(initial_gradient_norms(model, base.data, BATCH, STEPS)))
-    return Setup(base.spec, base.data, config, model.get_weights(), clip, clip_norm_auto=True)
+    weights = build_model(config, len(base.data.vocab), seed=0).get_weights()
+    clip = auto_clip_norm(config, base.data, weights, BATCH, base.spec.steps)
+    return Setup(base.spec, base.data, config, weights, clip, clip_norm_auto=True)
 
 
 @functools.lru_cache(maxsize=None)
 def run_sampled(strategy, replicas, mode, tie):
     s = sampled_setup(mode, tie)
-    if strategy == "pipeline":
-        from tfpar.tools.verify import run_pipeline
-
-        return run_pipeline(s, replicas)  # stages on `replicas` devices, 3 micro-batches
-    return run_plugin(s, dist_config(strategy, replicas))
+    if strategy == "pipeline":  # stages on `replicas` devices, 3 micro-batches
+        return run_with_state(run_pipeline, s, replicas)
+    return run_with_state(run_plugin, s, dist_config(strategy, replicas))
 
 
 @pytest.mark.parametrize("strategy,replicas,mode,tie", [
@@ -132,9 +124,5 @@ def test_sampled_softmax_matches_default(strategy, replicas, mode, tie):
     from (seed, step), so N devices give one device's update, sparse gradients and all."""
     ref = run_sampled("default", 1, mode, tie)
     got = run_sampled(strategy, replicas, mode, tie)
-    s = sampled_setup(mode, tie)
-    assert_clipped_and_unclipped(ref.grad_norms, s.clip_norm)
-    assert max_diff(ref.weights, s.initial_weights) > 1e-3
-    assert_same_training(got, ref, STEPS)
-    assert got.eval_count == ref.eval_count  # eval: the full softmax, distributed
-    assert got.eval_nll == pytest.approx(ref.eval_nll, rel=1e-6)
+    # Norms, weights, slots, (stream) the carried state; eval: the full softmax, distributed.
+    assert_equivalent(got, ref, sampled_setup(mode, tie))

@@ -10,8 +10,8 @@ import sys
 import keras
 import numpy as np
 import pytest
-from conftest import (assert_clipped_and_unclipped, assert_replicas_placed, assert_same_training,
-                      batch_of, make_lines, max_diff, placed_ops, slots_of)
+from conftest import assert_replicas_placed, batch_of, make_lines, max_diff, placed_ops, slots_of
+from equivalence import assert_equivalent, make_setup, run_with_state
 import tensorflow as tf
 
 from tfpar.tools import cli
@@ -22,37 +22,43 @@ from tfpar.model.lm import build_model
 from tfpar.parallel.registry import build_strategy
 from tfpar.parallel.tower import TowerPlugin, default_variable_device, ring_all_reduce
 from tfpar.training.schedule import EpochSchedule, base_learning_rate
-from tfpar.tools.verify import Setup, VerifySpec, run_plugin
+from tfpar.tools.verify import run_plugin
 from tfpar.data.vocab import Vocab
 
 MODEL = ModelConfig(embed_dim=16, hidden_dim=16)
-# Between the gradient norms of these runs (asserted): some steps are clipped, some not.
-# On a clipped step a gradient off by a constant factor gives the very same update, so
-# only the unclipped ones (and the norms) can tell a wrong gradient from a right one.
-CLIP = 0.155  # between the runs' gradient norms (asserted)
+# The clip norm of the empty-shard tests below, under their first step's gradient norm
+# (asserted). The runs compared with default use verify's automatic one (equivalence).
+CLIP = 0.155
 BATCH = 10  # 10 rows: 3 towers get 4/3/3, 4 towers 3/3/2/2.
-STEPS = 3
 CPU = [f"/device:CPU:{i}" for i in range(4)]
 
 
-@functools.lru_cache(maxsize=None)
 def setup(mode="sentence"):
-    """Data, initial weights and run settings shared by every run of one mode."""
+    """The set-up of one mode (cached whichever way it is called)."""
+    return cached_setup(mode)
+
+
+@functools.lru_cache(maxsize=None)
+def cached_setup(mode):
+    """Data, initial weights and run settings shared by every run of one mode: STEPS
+    steps, the median of the first steps' gradient norms as the clip norm (so some steps
+    are clipped and some not, asserted: on a clipped step a gradient off by a constant
+    factor gives the very same update, so only the unclipped ones (and the norms) can
+    tell a wrong gradient from a right one)."""
     lines = make_lines(160)
     data = InputData({"train": lines, "valid": make_lines(30, seed=1), "test": lines[:5]},
                      Vocab.build(lines), DataConfig(mode=mode, bptt=6, max_length=20), seed=1)
-    weights = build_model(MODEL, len(data.vocab), seed=0).get_weights()
-    spec = VerifySpec(steps=STEPS, batch_size=BATCH, mode=mode, lr=0.5)
-    return Setup(spec, data, MODEL, weights, CLIP, clip_norm_auto=False)
+    return make_setup(data, MODEL, mode, batch_size=BATCH)
 
 
 @functools.lru_cache(maxsize=None)
 def run(strategy="default", towers=1, reduce="controller", mode="sentence"):
-    """Trains STEPS steps from the shared initial weights (cached: runs are reused)."""
+    """Trains STEPS steps from the shared initial weights (cached: runs are reused);
+    returns the result and the state carried out of the last window (stream mode)."""
     dist = DistConfig()
     if strategy == "tower":
         dist = DistConfig(strategy="tower", devices=tuple(CPU[:towers]), tower_reduce=reduce)
-    return run_plugin(setup(mode), dist)
+    return run_with_state(run_plugin, setup(mode), dist)
 
 
 # ----------------------------------------------------------------- equal to one device
@@ -61,27 +67,22 @@ def run(strategy="default", towers=1, reduce="controller", mode="sentence"):
     (2, "ring"), (3, "ring"), (4, "ring"),
 ])
 def test_tower_matches_default_with_clipping(towers, reduce):
-    ref, got = run(), run("tower", towers, reduce)
-    assert_clipped_and_unclipped(ref.grad_norms, CLIP)
-    assert_same_training(got, ref, STEPS)
-    assert max_diff(got.weights, setup().initial_weights) > 1e-3  # The weights did move.
-    assert got.eval_count == ref.eval_count
-    assert got.eval_nll == pytest.approx(ref.eval_nll, rel=1e-6)
+    assert_equivalent(run("tower", towers, reduce), run(), setup())
 
 
 @pytest.mark.parametrize("towers", [3, 4])
 def test_ring_and_controller_give_the_same_update(towers):
     ring, controller = run("tower", towers, "ring"), run("tower", towers, "controller")
-    assert max_diff(ring.weights, controller.weights) <= 1e-6
-    assert max_diff(ring.slots, controller.slots) <= 1e-6
+    assert max_diff(ring.result.weights, controller.result.weights) <= 1e-6
+    assert max_diff(ring.result.slots, controller.result.slots) <= 1e-6
 
 
-def test_tower_stream_mode_carries_state_like_default():
-    ref, got = run(mode="stream"), run("tower", 3, "ring", mode="stream")
-    assert_clipped_and_unclipped(ref.grad_norms, CLIP)
-    assert_same_training(got, ref, STEPS)
-    assert got.eval_count == ref.eval_count
-    assert got.eval_nll == pytest.approx(ref.eval_nll, rel=1e-6)
+@pytest.mark.parametrize("towers,reduce", [(3, "ring"), (4, "controller")])
+def test_tower_stream_mode_carries_state_like_default(towers, reduce):
+    """Weights, slots and the state carried out of the last window (10 rows over 3
+    towers 4/3/3, over 4 towers 3/3/2/2), all equal to one device's."""
+    assert_equivalent(run("tower", towers, reduce, mode="stream"), run(mode="stream"),
+                      setup("stream"))
 
 
 @pytest.mark.parametrize("towers", [2, 3, 4])

@@ -14,7 +14,11 @@ from tfpar.errors import ConfigError
 from tfpar.parallel.parallel_do import ParallelDo
 from tfpar.tools.verify import Row, RunResult, Runner, VerifySpec, compare, parse_strategies
 
-SMALL = ["--steps", "2", "--hidden-dim", "8", "--embed-dim", "8"]
+# verify's own default step count: enough steps for the automatic clip norm (the median
+# of the first steps' gradient norms) to leave some of them clipped and some not, which
+# every passing and failing run below asserts (table_rows, assert_clipped_and_unclipped).
+STEPS = 10
+SMALL = ["--steps", str(STEPS), "--hidden-dim", "8", "--embed-dim", "8"]
 
 
 def load_script():
@@ -212,6 +216,16 @@ def table_rows(out):
     return rows
 
 
+def assert_clipped_and_unclipped(out, strategies):
+    """The report ``out`` has a row for each of ``strategies`` ("name:N,..."), each of
+    STEPS steps of which some were clipped by the automatic clip norm and some not."""
+    table = table_rows(out)
+    assert list(table) == [(n, int(r)) for n, r in (s.split(":") for s in strategies.split(","))]
+    assert all(0 < clipped < steps == STEPS for clipped, steps, _ in table.values()), table
+    assert "clipping never fired" not in out
+    return table
+
+
 def test_verify_passes_and_writes_json(tmp_path, capsys):
     path = tmp_path / "out" / "rows.json"
     argv = ["--strategies", "mirrored:2,tower:3,parallel_do:3", "--json", str(path)] + SMALL
@@ -219,12 +233,9 @@ def test_verify_passes_and_writes_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "all 3 strategies match default" in out
     assert "(auto: the median gradient norm of the first --steps batches)" in out
-    table = table_rows(out)
-    assert list(table) == [("mirrored", 2), ("tower", 3), ("parallel_do", 3)]
     # The auto clip norm clips some steps and not others, in every row.
-    assert all(0 < clipped < steps == 2 and status == "ok"
-               for clipped, steps, status in table.values()), table
-    assert "clipping never fired" not in out
+    table = assert_clipped_and_unclipped(out, "mirrored:2,tower:3,parallel_do:3")
+    assert all(status == "ok" for _, _, status in table.values()), table
     rows = json.loads(path.read_text())
     assert [(r["strategy"], r["replicas"]) for r in rows] == list(table)
     assert all(set(r) == {"strategy", "replicas", "max_abs_param_diff", "eval_ppl_rel_diff"}
@@ -250,9 +261,8 @@ def test_verify_fails_a_gradient_off_by_one_percent(monkeypatch, tmp_path, capsy
     argv = ["--strategies", "parallel_do:2,off_by_1pc:2", "--json", str(path)]
     assert verify.main(argv + SMALL) == 1
     out = capsys.readouterr().out
-    table = table_rows(out)
+    table = assert_clipped_and_unclipped(out, "parallel_do:2,off_by_1pc:2")  # Unclipped steps.
     assert table["parallel_do", 2][2] == "ok" and table["off_by_1pc", 2][2] == "FAIL"
-    assert 0 < table["off_by_1pc", 2][0] < 2  # It had an unclipped step.
     assert "FAIL off_by_1pc:2: max |dtheta|" in out and "FAIL parallel_do" not in out
     rows = json.loads(path.read_text())
     assert rows[1]["strategy"] == "off_by_1pc" and rows[1]["max_abs_param_diff"] > 1e-5
@@ -311,6 +321,7 @@ def test_verify_passes_with_every_kind_of_dropout_on(mode, strategies, extra, ca
     assert verify.main(argv) == 0
     out = capsys.readouterr().out
     assert f"all {len(strategies.split(','))} strategies match default" in out
+    assert_clipped_and_unclipped(out, strategies)
 
 
 def test_verify_fails_when_replicas_key_masks_by_their_local_rows(monkeypatch, capsys):
@@ -331,7 +342,9 @@ def test_verify_passes_with_the_sampled_softmax_and_fails_per_replica_candidates
     argv = ["--strategies", "tower:2", "--softmax", "sampled", "--num-sampled", "10",
             "--tie-embeddings", *SMALL]
     assert verify.main(argv) == 0
-    assert "all 1 strategies match default" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "all 1 strategies match default" in out
+    assert_clipped_and_unclipped(out, "tower:2")
 
     from tfpar.objective import sampling, step
 
@@ -343,6 +356,7 @@ def test_verify_passes_with_the_sampled_softmax_and_fails_per_replica_candidates
 
     monkeypatch.setattr(step.sampling, "log_uniform_candidates", stateful)
     assert verify.main(argv) == 1
+    # (Its own draws give other gradient norms: not the automatic clip norm's mix.)
     assert "FAIL tower:2: max |dtheta|" in capsys.readouterr().out
 
 
