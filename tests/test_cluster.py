@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from tfpar.parallel.cluster.tf_config import (check_jobs, check_port_free, free_ports,
-                                              parse_tf_config, require_cluster)
+from tfpar.parallel.cluster.tf_config import (PortReservation, check_jobs, check_port_free,
+                                              free_ports, parse_tf_config, require_cluster)
 from tfpar.parallel.cluster.local_job import flag_value, plan_job, run_job, train_args_for_cluster
 from tfpar.errors import ClusterError
 
@@ -105,6 +105,59 @@ def test_free_ports_are_distinct_and_bindable():
     assert len(set(ports)) == 5
     for port in ports:
         check_port_free(f"127.0.0.1:{port}")
+
+
+def plain_bind_refused(port: int) -> bool:
+    """Whether another program's plain bind to ``port`` fails (the port is taken)."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+        return False
+
+
+def test_a_job_holds_its_ports_until_it_ends_and_its_tasks_still_bind_them():
+    """The picked ports stay taken for everyone else until the plan is released, while a
+    task's own check passes and a server binding like TensorFlow's gRPC (SO_REUSEPORT)
+    listens on them and is reached; afterwards the ports are free again."""
+    plan = plan_job("multi_worker", workers=2)
+    ports = [int(a.rsplit(":", 1)[1]) for a in plan.cluster["worker"]]
+    assert plan.reservation is not None and plan.reservation.ports == ports
+    assert all(plain_bind_refused(p) for p in ports)  # nothing else can take them
+    for port in ports:
+        check_port_free(f"127.0.0.1:{port}", what="worker 0")  # the task's own check
+        with socket.socket() as server:  # as gRPC binds
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            server.bind(("127.0.0.1", port))
+            server.listen()
+            with pytest.raises(ClusterError, match="already in use"):  # a real listener
+                check_port_free(f"127.0.0.1:{port}")
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    plan.release()
+    plan.release()  # idempotent
+    assert not any(plain_bind_refused(p) for p in ports)
+
+
+def test_run_job_releases_each_attempts_ports(monkeypatch):
+    plans = []
+
+    def make_plan():
+        plans.append(plan_job("multi_worker", workers=1))
+        return plans[-1]
+
+    status = run_job(make_plan, lambda task: [sys.executable, "-c", "raise SystemExit(3)"],
+                     restarts=1, out=io.StringIO())
+    assert status == 3 and len(plans) == 2
+    assert not any(plain_bind_refused(int(a.rsplit(":", 1)[1]))
+                   for p in plans for a in p.cluster["worker"])
+
+
+def test_a_reservation_is_a_context_manager():
+    with PortReservation(2) as reserved:
+        assert len(set(reserved.ports)) == 2 and all(map(plain_bind_refused, reserved.ports))
+    assert not any(map(plain_bind_refused, reserved.ports))
 
 
 # ----------------------------------------------------------------------------- plans

@@ -2,6 +2,7 @@
 processes, real SIGKILLs), the comparison that decides them, the phase a kill is
 reported to have hit, and the one-line usage errors."""
 
+import dataclasses
 import importlib.util
 import os
 import random
@@ -155,19 +156,21 @@ def test_the_phase_a_kill_hit_is_read_from_the_output_and_the_files(case, want, 
 def test_killed_runs_resume_exactly(tmp_path, capsys):
     """Two rounds in stream mode (the carried state must resume too): each run killed at
     a moment drawn from [0, T] and run again ends bit-identical to the reference, having
-    restored the latest checkpoint the kill left (exact includes that check). Seed 2 draws
-    0.96 T and 0.95 T, late (the 30 steps and their checkpoints come at about 0.55 T on an
-    idle host, later on a loaded one), so a relaunch has a checkpoint to restore; seed 10's
-    0.57 T and 0.43 T landed before the first one, leaving nothing to resume."""
+    restored the latest checkpoint the kill left (exact includes that check). Each round
+    hit training or a checkpoint write (a round that missed is drawn again, aimed at the
+    reference's checkpoint window), so a relaunch had a checkpoint to restore."""
     code = load_script().main(["kills", "--kills", "2", "--modes", "stream", "--seed", "2",
                                "--max-steps", "30", "--workdir", str(tmp_path / "w")])
     out = capsys.readouterr().out.strip().splitlines()
     assert code == 0, "\n".join(out)
     rounds = [line for line in out if line.startswith("[stream ")]
     assert [line.split("->")[1].split("(")[0].strip() for line in rounds] == ["exact", "exact"]
-    assert any("(resumed from step " in line for line in rounds), \
+    for line in rounds:
+        assert ": training (" in line or ": checkpoint write (" in line, line
+    assert any("resumed from step " in line for line in rounds), \
         f"no relaunch had a checkpoint to restore, so none was checked: {rounds}"
-    assert out[-2].startswith("phases hit: ")
+    assert out[-3].startswith("phases hit: ")
+    assert out[-2].startswith("rounds with a kill in training or checkpoint write: 2/2 (")
     assert out[-1] == "kills tried 2, exact 2, not exact 0 (stream 2/2)"
     assert os.listdir(tmp_path / "w") == []  # the runs are cleaned up (no --keep)
 
@@ -240,9 +243,73 @@ def test_a_relaunch_must_restore_the_checkpoint_the_kill_left(restored, tmp_path
     assert pair.error == want and pair.worst == float("inf")
 
 
+@pytest.mark.parametrize("redraws", [0, 2])
+def test_a_round_whose_kills_miss_training_is_drawn_again_then_fails(redraws, tmp_path,
+                                                                     monkeypatch, capsys):
+    """Faked processes whose kills all land in the final evaluation: with --redraws 2 the
+    round is drawn twice more (killed after one of the run's own checkpoints, by up to
+    the reference's time between two, abandoned before a resume), then reported as missed and the tool exits 1; with --redraws 0 a draw is
+    kept whatever it hit. A kill that hits training ends the redraws (the second case)."""
+    ref = faults.Reference(10.0, tensors(), {"steps": 40, "valid_ppl": 9.0, "test_ppl": 8.0},
+                           faults.Schedule(40, 5), 0.5)
+    moments, resumes, delays = [], [], []
+
+    class FakeProcess:
+        def __init__(self, args, model_dir):
+            self.model_dir, self.output = model_dir, ""
+            self.proc = types.SimpleNamespace(returncode=None)
+
+        def kill_at(self, moment):
+            moments.append(moment)
+            checkpoint_files(Path(self.model_dir), [5, 10], 10)
+            return True
+
+        def kill_after_checkpoint(self, step, delay, timeout):
+            delays.append((step, delay))
+            return self.kill_at(1.0 + delay), 1.0 + delay
+
+        def wait(self, timeout):
+            resumes.append(self.model_dir)
+            self.output = (f"I tfpar.training.checkpoints: resumed from x/ckpt-10 (step 10)")
+            (Path(self.model_dir + "-export") / "tfpar_lm" / "1").mkdir(parents=True)
+            (Path(self.model_dir + "-export") / "tfpar_lm" / "1" / "saved_model.pb").touch()
+            return 0
+
+    monkeypatch.setattr(faults, "TrainProcess", FakeProcess)
+    monkeypatch.setattr(faults, "infer_phase",
+                        lambda *a: faults.Phase("final evaluation", "valid + test"))
+    monkeypatch.setattr(faults, "checkpoint_tensors", lambda model_dir: tensors())
+    monkeypatch.setattr(faults, "read_metrics", lambda path: dict(ref.metrics))
+    monkeypatch.setattr(faults, "run_reference", lambda *a, **k: ref)
+    spec = faults.KillSpec(kills=1, modes=("stream",), max_steps=40, redraws=redraws,
+                           workdir=str(tmp_path / "w"))
+    (round_,) = faults.kill_test(spec)
+    out = capsys.readouterr().out
+    assert len(moments) == redraws + 1 and len(resumes) == 1  # only the last draw resumed
+    # Redraws kill after a checkpoint of the run's own, 5..35, by up to the interval.
+    assert len(delays) == redraws and all(s in range(5, 40, 5) and 0.0 <= d <= 0.5
+                                          for s, d in delays)
+    assert round_.exact and round_.redrawn == redraws and not round_.aimed
+    assert round_.passed == (redraws == 0)
+    if redraws:
+        assert "-> exact; MISSED: no kill hit training or checkpoint write (redrawn 2x; " in out
+        assert "rounds with a kill in training or checkpoint write: 0/1 (2 redraw(s))" in out
+
+    # A redraw that hits training is kept and passes.
+    phases = iter([faults.Phase("export"), faults.Phase("training", "after ckpt-5")])
+    monkeypatch.setattr(faults, "infer_phase", lambda *a: next(phases))
+    moments.clear()
+    resumes.clear()
+    spec = dataclasses.replace(spec, redraws=3, workdir=str(tmp_path / "w2"))
+    (round_,) = faults.kill_test(spec)
+    assert len(moments) == 2 and len(resumes) == 1 and round_.passed and round_.redrawn == 1
+    assert "killed at" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv,message", [
     (["kills", "--kills", "0"], "error: --kills must be >= 1, got 0"),
     (["kills", "--kills-per-run", "0"], "error: --kills-per-run must be >= 1, got 0"),
+    (["kills", "--redraws", "-1"], "error: --redraws must be >= 0, got -1"),
     (["kills", "--modes", "sentence,foo"], "error: unknown mode 'foo' in --modes; expected "
                                            "one of: sentence, stream"),
     (["kills", "--modes", " , "], "error: --modes ' , ' names nothing"),

@@ -25,6 +25,7 @@ from tfpar.errors import Interrupted, TrainingError
 from tfpar.objective.losses import perplexity
 from tfpar.objective.step import run_steps
 from tfpar.training.hooks import CheckpointHook, ProgressHook, Record, SummaryHook
+from tfpar.training.schedule import applied_learning_rate
 
 log = logging.getLogger(__name__)
 # The progress bar counts an epoch's batches beforehand up to this train-split size.
@@ -251,7 +252,7 @@ class Loop:
             r = Record(step=step, steps=len(outputs), nll=sum(f[0] for f in finite),
                        count=sum(f[1] for f in finite),
                        grad_norm=sum(f[2] for f in finite) / len(finite), seconds=seconds,
-                       learning_rate=float(self.state.optimizer.learning_rate))
+                       learning_rate=applied_learning_rate(self.state.optimizer, step))
             p = self.progress
             if p.first_step_time is None:
                 p.first_step_time = time.time()
@@ -278,7 +279,8 @@ class Loop:
         if self.plugin.is_chief:
             append_epoch_metrics(os.path.dirname(self.checkpointer.directory), {
                 "epoch": epoch + 1, "step": self.step, "train_ppl": train_ppl,
-                "valid_ppl": ppl, "learning_rate": float(self.state.optimizer.learning_rate),
+                "valid_ppl": ppl,
+                "learning_rate": applied_learning_rate(self.state.optimizer, self.step),
                 "tokens_per_sec": tokens / seconds if seconds > 0 else None,
                 "seconds": elapsed})
         self.writer.scalars("eval", {"perplexity": ppl, "epoch": epoch + 1}, self.step)

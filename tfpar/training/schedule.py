@@ -34,6 +34,19 @@ class EpochSchedule(keras.optimizers.schedules.LearningRateSchedule):
                 "warmup_steps": self.warmup_steps}
 
 
+def applied_learning_rate(optimizer: keras.optimizers.Optimizer, step: int) -> float:
+    """The rate the ``step``-th update (1-based, as the loop counts) was applied with.
+
+    Keras' ``optimizer.learning_rate`` evaluates the schedule at ``optimizer.iterations``,
+    which after update ``step`` is the *next* update's rate: during warm-up a higher one.
+    A constant rate is returned as it is.
+    """
+    schedule = getattr(optimizer, "_learning_rate", None)  # what Keras built the rate from
+    if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+        return float(schedule(max(step - 1, 0)))
+    return float(optimizer.learning_rate)
+
+
 def base_learning_rate(config: Config, num_replicas: int) -> float:
     """``--lr``, times the replica count under ``--scale-lr linear``.
 

@@ -22,7 +22,7 @@ from typing import Callable, Mapping, Sequence, TextIO
 
 from tfpar.errors import ClusterError
 from tfpar.parallel.cluster.tf_config import (CLUSTER_STRATEGIES, JOBS, LOOPBACK,
-                                              check_port_free, free_ports, tf_config_json)
+                                              PortReservation, check_port_free, tf_config_json)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +51,16 @@ class JobPlan:
 
     tasks: tuple[Task, ...]
     cluster: dict[str, tuple[str, ...]]
+    # The picked ports, held until the job ends (None: the ports were given).
+    reservation: PortReservation | None = dataclasses.field(default=None, compare=False)
 
     def tf_config(self, task: Task) -> str:
         return tf_config_json(self.cluster, task.type, task.index)
+
+    def release(self) -> None:
+        """Lets the picked ports go once no task of this plan runs any more."""
+        if self.reservation is not None:
+            self.reservation.release()
 
 
 def check_cluster_strategy(strategy: str) -> None:
@@ -70,7 +77,9 @@ def plan_job(strategy: str, *, workers: int, ps: int = 0,
 
     ``multi_worker``: ``workers`` worker tasks, worker 0 the chief. ``parameter_server``:
     a chief (the coordinator), ``workers`` workers and ``ps`` ps tasks. ``ports`` are used
-    in task order (chief, workers, ps) and checked; by default free ones are picked.
+    in task order (chief, workers, ps) and checked; by default free ones are picked and
+    held (:class:`PortReservation`) until :meth:`JobPlan.release`, so nothing else can
+    take one between the pick and the task's bind.
 
     Raises:
       ClusterError: a strategy without a cluster, bad counts, or ports that are taken or
@@ -101,12 +110,14 @@ def plan_job(strategy: str, *, workers: int, ps: int = 0,
             raise ClusterError(f"--ports lists a port twice: {','.join(map(str, ports))}")
         for task, port in zip(tasks, ports):
             check_port_free(f"{LOOPBACK}:{port}", what=task.name)
+        reservation = None
     else:
-        ports = free_ports(len(tasks))
+        reservation = PortReservation(len(tasks))
+        ports = reservation.ports
     cluster: dict[str, list[str]] = {}
     for task, port in zip(tasks, ports):
         cluster.setdefault(task.type, []).append(f"{LOOPBACK}:{port}")
-    return JobPlan(tasks, {job: tuple(a) for job, a in cluster.items()})
+    return JobPlan(tasks, {job: tuple(a) for job, a in cluster.items()}, reservation)
 
 
 @dataclasses.dataclass
@@ -230,7 +241,7 @@ def run_job(make_plan: Callable[[], JobPlan], command: Callable[[Task], list[str
     ``task_restarts`` times per attempt (see :class:`LocalJob`).
 
     ``make_plan`` is called for every attempt, so a restart gets fresh free ports (the
-    old ones may still be closing). A task that exits with status 2 (a usage error) ends
+    old ones may still be closing); each attempt's plan is released when it ends. A task that exits with status 2 (a usage error) ends
     the job at once: a restart would fail the same way.
 
     Returns:
@@ -246,6 +257,8 @@ def run_job(make_plan: Callable[[], JobPlan], command: Callable[[Task], list[str
         except BaseException:
             job.stop()
             raise
+        finally:
+            job.plan.release()
         if outcome.status == 0:
             return 0
         if not outcome.retryable:

@@ -19,7 +19,7 @@ Roles per strategy:
 
 :func:`require_cluster` reads and checks ``TF_CONFIG`` for a strategy; every problem is
 a one-line :class:`~tfpar.errors.ClusterError`. :func:`check_port_free` and
-:func:`free_ports` check and pick ports. Standard library only (no TensorFlow): the CLI
+:class:`PortReservation` check, pick and hold ports. Standard library only (no TensorFlow): the CLI
 imports this module before TensorFlow starts.
 """
 
@@ -206,20 +206,48 @@ def check_port_free(address: str, *, what: str = "this task's address") -> None:
                                "process holding it or give this task another port") from None
 
 
-def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
-    """``count`` distinct ports that are free on ``host`` right now.
+class PortReservation:
+    """``count`` distinct loopback ports picked by the OS and held until :meth:`release`.
 
-    The OS picks them (bind to port 0); all sockets stay open until every port is chosen
-    so none is picked twice. Another program could take one before our tasks bind it: a
-    window of milliseconds that a task's own :func:`check_port_free` reports clearly.
+    Each port stays bound (SO_REUSEADDR and SO_REUSEPORT, never listening) for as long as
+    the job that uses it runs, so no other program (nor a side-by-side job picking its own
+    ports) is handed it meanwhile: a plain bind, a bind to port 0 and the source port of a
+    ``connect`` all skip a bound port. Our tasks still get it: TensorFlow's gRPC server
+    binds with SO_REUSEPORT, and :func:`check_port_free` (SO_REUSEADDR, which Linux lets
+    share a port nobody listens on) still finds a real listener.
+
+    Usable as a context manager.
     """
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sockets.append(s)
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
+
+    def __init__(self, count: int, host: str = LOOPBACK):
+        self._sockets: list[socket.socket] = []
+        try:
+            for _ in range(count):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                self._sockets.append(s)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                s.bind((host, 0))
+        except BaseException:
+            self.release()
+            raise
+        self.ports = [s.getsockname()[1] for s in self._sockets]
+
+    def release(self) -> None:
+        """Lets the ports go (idempotent)."""
+        for s in self._sockets:
             s.close()
+        self._sockets = []
+
+    def __enter__(self) -> "PortReservation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
+    """``count`` distinct ports that are free on ``host`` right now, not held: another
+    program may take one before it is used. A job uses a :class:`PortReservation`."""
+    with PortReservation(count, host) as reserved:
+        return reserved.ports
