@@ -1,4 +1,4 @@
-"""Fast LSTM and GRU layers for CPUs: Keras' layers with a leaner recurrence.
+"""Fast LSTM and GRU layers: Keras' layers with a leaner recurrence on CPUs, cuDNN on GPUs.
 
 On a host without a GPU, Keras 3's ``LSTM``/``GRU`` run a generic ``tf.while_loop`` whose
 body calls the cell: every time step multiplies the step's input by the input kernel,
@@ -27,6 +27,19 @@ to Keras' own loop, so the layers are drop-in replacements.
 
 Masking follows Keras exactly: at a masked step the state is carried unchanged and the
 output repeats the previous output (zeros before the first unmasked step).
+
+**On a GPU** the covered layers take Keras' own cuDNN path instead (``CudnnRNNV3``
+through ``keras``' TensorFlow backend ``lstm``/``gru``, what ``keras.layers.LSTM`` calls
+with ``use_cudnn="auto"``): one fused kernel for the whole sequence, several times faster
+than any while-loop recurrence on a GPU. Where the layer runs decides (:func:`runs_on_gpu`:
+the device its ops are placed on, so a tower pinned to ``/cpu:0`` on a GPU host keeps the
+fast CPU recurrence). Weight drop passes the dropped recurrent matrix, stream mode's
+carried state goes in as the initial state, and a sentence batch's mask is right-padded
+(cuDNN's rule); a row with no token at all (an empty shard's padding) has its first step
+unmasked for cuDNN, which refuses an empty sequence: its outputs are padding positions,
+which the loss weighs 0. At padding positions cuDNN outputs zeros where Keras repeats
+the previous output; the loss over real tokens is the same. When Keras' backend declines
+(no cuDNN kernel registered, e.g. a CPU-only build) the fast recurrence runs.
 
 ``matmul_dtype="bfloat16"`` runs the two large matmuls (input projection and weight
 gradients) in bfloat16 with float32 accumulation and float32 state; it pays off on CPUs
@@ -348,10 +361,37 @@ def _dropped(layer, sequences, training):
     return sequences * mask[:, None, :]
 
 
+def runs_on_gpu(probe: tf.Tensor) -> bool:
+    """Whether the op that produced ``probe`` runs on a GPU: by its device (the placement
+    scope while tracing a graph, where it ran when eager), or, with none given, whether
+    TensorFlow sees a GPU (its placer then puts the op on GPU 0)."""
+    device = probe.device
+    if device:
+        return tf.DeviceSpec.from_string(device).device_type == "GPU"
+    return bool(tf.config.list_logical_devices("GPU"))
+
+
+def _keras_cudnn():
+    """Keras' TensorFlow-backend RNN functions (``lstm``/``gru``: cuDNN or
+    NotImplementedError), the entry points ``keras.layers.LSTM``/``GRU`` use."""
+    import importlib
+
+    return importlib.import_module("keras.src.backend.tensorflow.rnn")
+
+
+def _cudnn_mask(mask):
+    """``mask`` [B, T] with every row's first step on: cuDNN refuses a row of length 0."""
+    if mask is None:
+        return None
+    mask = tf.cast(mask, tf.bool)
+    return tf.concat([tf.ones_like(mask[:, :1]), mask[:, 1:]], axis=1)
+
+
 class _FastRecurrence:
     """What FastLSTM and FastGRU share: the ``matmul_dtype`` option, and an ``inner_loop``
-    that takes the fast recurrence (``_fast``) when the layer's math is the default one
-    and Keras' own loop otherwise."""
+    that, when the layer's math is the default one, takes Keras' cuDNN path on a GPU
+    (``_cudnn``) and the fast recurrence (``_fast``) elsewhere, and Keras' own loop for
+    any other math."""
 
     def __init__(self, units, *, matmul_dtype: str | None = None, **kwargs):
         super().__init__(units, **kwargs)
@@ -373,11 +413,18 @@ class _FastRecurrence:
         if not isinstance(initial_state, (list, tuple)):
             initial_state = [initial_state]
         cell = self.cell
+        kernel = _value(cell.kernel)
         recurrent_kernel = _value(cell.recurrent_kernel)
         if training and self.recurrent_noise is not None:
             recurrent_kernel = self.recurrent_noise(recurrent_kernel)
-        return self._fast(_dropped(self, sequences, training), list(initial_state), mask,
-                          _value(cell.kernel), recurrent_kernel, _value(cell.bias))
+        args = (_dropped(self, sequences, training), list(initial_state), mask, kernel,
+                recurrent_kernel, _value(cell.bias))
+        if self.matmul_dtype is None and runs_on_gpu(kernel):
+            try:
+                return self._cudnn(*args)
+            except NotImplementedError:  # Keras' backend declined: no usable cuDNN here
+                pass
+        return self._fast(*args)
 
     def get_config(self):
         return {**super().get_config(), "matmul_dtype": self.matmul_dtype}
@@ -396,6 +443,14 @@ class FastLSTM(_FastRecurrence, keras.layers.LSTM):
                                       bias, matmul_dtype=self.matmul_dtype)
         return h, outputs, [h, c]
 
+    def _cudnn(self, x, state, mask, kernel, recurrent_kernel, bias):
+        cell = self.cell
+        return _keras_cudnn().lstm(
+            x, state[0], state[1], _cudnn_mask(mask), kernel=kernel,
+            recurrent_kernel=recurrent_kernel, bias=bias, activation=cell.activation,
+            recurrent_activation=cell.recurrent_activation,
+            return_sequences=self.return_sequences)
+
 
 class FastGRU(_FastRecurrence, keras.layers.GRU):
     """``keras.layers.GRU`` with the recurrence of :func:`gru_sequence`.
@@ -412,3 +467,12 @@ class FastGRU(_FastRecurrence, keras.layers.GRU):
         outputs, h = gru_sequence(x, state[0], mask, kernel, recurrent_kernel, bias,
                                   matmul_dtype=self.matmul_dtype)
         return h, outputs, [h]
+
+    def _cudnn(self, x, state, mask, kernel, recurrent_kernel, bias):
+        cell = self.cell
+        last, outputs, h = _keras_cudnn().gru(
+            x, state[0], _cudnn_mask(mask), kernel=kernel, recurrent_kernel=recurrent_kernel,
+            bias=bias, activation=cell.activation,
+            recurrent_activation=cell.recurrent_activation,
+            return_sequences=self.return_sequences, reset_after=True)
+        return last, outputs, h
