@@ -2,13 +2,20 @@
 
 Every multi-device test runs on logical CPU devices (the same mechanism users get with
 ``--cpu-devices``), so mirrored, tower and pipeline paths are exercised for real on a
-host without GPUs.
+host without GPUs. On a host with GPUs the suite hides them (``CUDA_VISIBLE_DEVICES=``,
+inherited by every subprocess), so it tests the same CPU paths there; the GPU suite
+(tests/gpu, ``make gpu-check``, TFPAR_GPU_TESTS=1) is collected only when asked for and
+sees the GPUs.
 """
 
 import os
 import re
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+GPU_SUITE = os.environ.get("TFPAR_GPU_TESTS") == "1"
+if not GPU_SUITE:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before TensorFlow is imported
+collect_ignore = [] if GPU_SUITE else ["gpu"]
 
 import pytest  # noqa: E402
 

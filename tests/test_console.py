@@ -94,3 +94,66 @@ def test_progress_bar_has_a_total_and_each_epoch_one_line(tiny_args, capsys):
     epochs = re.findall(r"epoch (\d)/2: train ppl [\d.]+, valid ppl [\d.]+, [\d,]+ tokens/s, "
                         r"[\dhms.]+", captured.err)
     assert epochs == ["1", "2"]
+
+
+# ------------------------------------------------------------- a host that should have GPUs
+GPU_TROUBLE = [
+    b"I0000 00:00:1796134205.642720    5542 cudart_stub.cc:31] Could not find cuda drivers "
+    b"on your machine, GPU will not be used.\n",
+    b"E0000 00:00:1796134207.619479    5542 cuda_platform.cc:52] failed call to cuInit: "
+    b"INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)\n",
+    b"W0000 00:00:1796134207.619479    5542 gpu_device.cc:2344] Cannot dlopen some GPU "
+    b"libraries. Please make sure the missing libraries mentioned above are installed "
+    b"properly. Skipping registering GPU devices...\n",
+]
+REGISTRATION_NOISE = (b"E0000 00:00:1796134207.619479    5542 cuda_dnn.cc:8579] Unable to "
+                      b"register cuDNN factory: Attempting to register factory for plugin "
+                      b"cuDNN when one has already been registered\n")
+
+
+def test_gpu_driver_and_library_lines_pass_where_gpus_are_expected():
+    """Where GPUs are expected the failures that explain a missing GPU pass (the other
+    chatter and the factory-registration noise stay out); elsewhere they are noise."""
+    chunks = GPU_TROUBLE + [REGISTRATION_NOISE, CHATTER[1], CHATTER[5]] + KEPT
+    out = []
+    f = LineFilter(out.append, show_gpu=True)
+    for chunk in chunks:
+        f.feed(chunk)
+    f.close()
+    assert b"".join(out) == b"".join(GPU_TROUBLE + KEPT)
+    assert filtered(chunks) == b"".join(KEPT)
+
+
+@pytest.mark.parametrize("env,nodes,want", [
+    ({}, [], None),
+    ({}, ["nvidia0", "nvidiactl"], "/dev/nvidia0"),
+    ({}, ["nvidiactl"], None),  # the control node alone: no device
+    ({"CUDA_VISIBLE_DEVICES": "0,1"}, [], "CUDA_VISIBLE_DEVICES=0,1"),
+    ({"CUDA_VISIBLE_DEVICES": ""}, ["nvidia0"], None),  # hidden on purpose
+    ({"CUDA_VISIBLE_DEVICES": "-1"}, ["nvidia0"], None),
+])
+def test_gpus_are_expected_from_device_nodes_or_cuda_visible_devices(env, nodes, want,
+                                                                     tmp_path):
+    from tfpar.parallel.host import gpus_expected
+
+    for name in nodes:
+        (tmp_path / name).touch()
+    got = gpus_expected(env, dev=str(tmp_path))
+    assert got == (want.replace("/dev", str(tmp_path)) if want and "/dev" in want else want)
+
+
+def test_expected_gpus_that_tensorflow_cannot_use_stop_the_run(monkeypatch, capsys, tmp_path):
+    """CUDA_VISIBLE_DEVICES names a GPU, TensorFlow has none (this host): one line, exit
+    2, nothing written; --cpu-only is the explicit way to train on CPUs anyway."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    model_dir = tmp_path / "run"
+    argv = ["--synthetic-sentences", "40,8,8", *PINNED, "--embed-dim", "8", "--hidden-dim", "8",
+            "--max-steps", "1", "--no-progress", "--no-export", "--model-dir", str(model_dir)]
+    assert train_main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: this host should have GPUs (CUDA_VISIBLE_DEVICES=0) but TensorFlow found "
+        "none; its log lines above say what failed (driver, CUDA libraries: pip install "
+        "'tfpar[gpu]' brings them); pass --cpu-only to train on CPUs")
+    assert not model_dir.exists()
+    assert train_main(argv + ["--cpu-only"]) == 0
+    assert "--cpu-only: GPUs hidden, training on CPUs" in capsys.readouterr().err

@@ -67,3 +67,54 @@ def test_an_automatic_share_asked_for_late_is_quiet(caplog):
     before = __import__("tensorflow").config.threading.get_intra_op_parallelism_threads()
     devices.configure_threads(before + 1, requested=False)
     assert "intra-op threads" not in caplog.text
+
+
+# ---------------------------------------------------------------- which devices train
+@pytest.mark.parametrize("gpus,want", [
+    (0, ["/device:CPU:0", "/device:CPU:1"]),  # no GPU: --cpu-devices' default, 2 CPUs
+    (1, ["/device:GPU:0"]),  # one GPU: one replica on it, not 2 logical CPUs
+    (3, ["/device:GPU:0", "/device:GPU:1", "/device:GPU:2"]),
+])
+@pytest.mark.parametrize("strategy", ["mirrored", "tower", "parallel_do"])
+def test_a_data_parallel_strategy_trains_on_every_gpu_else_logical_cpus(gpus, want, strategy,
+                                                                         monkeypatch, caplog):
+    """GPU counts patched (the device list TensorFlow reports)."""
+    import logging
+
+    monkeypatch.setattr(devices, "num_gpus", lambda: gpus)
+    with caplog.at_level(logging.INFO, logger="tfpar.parallel.devices"):
+        assert devices.data_parallel_devices(DistConfig(strategy=strategy)) == want
+    assert (f"using {gpus} GPU(s): " if gpus else "no GPUs: using 2 logical CPU devices") \
+        in caplog.text
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_cpu_devices_on_a_host_with_gpus_is_an_error_not_ignored(gpus, monkeypatch):
+    from tfpar.errors import ConfigError
+
+    monkeypatch.setattr(devices, "num_gpus", lambda: gpus)
+    with pytest.raises(ConfigError) as e:
+        devices.data_parallel_devices(DistConfig(strategy="mirrored", cpu_devices=2))
+    assert str(e.value) == (
+        f"--cpu-devices 2: this host has {gpus} GPU(s), which --strategy mirrored trains on; "
+        "drop --cpu-devices, name devices with --devices, or hide the GPUs "
+        "(CUDA_VISIBLE_DEVICES=) to train on logical CPUs")
+    # Naming the devices is the explicit choice.
+    assert devices.data_parallel_devices(DistConfig(strategy="mirrored", cpu_devices=2,
+                                                    devices=("/cpu:0", "/cpu:1"))) == \
+        ["/device:CPU:0", "/device:CPU:1"]
+
+
+def test_the_cpu_suite_hides_any_gpu_from_itself_and_its_subprocesses():
+    """tests/conftest.py: on a GPU host the suite still tests the CPU paths it was
+    written for (the GPU suite is tests/gpu, make gpu-check)."""
+    import os
+
+    from tfpar.parallel.host import gpus_expected
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and gpus_expected() is None
+    assert devices.num_gpus() == 0
+    out = subprocess.run([sys.executable, "-c", "import os; print(repr(os.environ["
+                          "'CUDA_VISIBLE_DEVICES']))"], capture_output=True, text=True,
+                         timeout=60).stdout
+    assert out.strip() == "''"

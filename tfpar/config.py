@@ -334,6 +334,9 @@ class DistConfig:
     # Threads one op may use (TF's intra-op pool); 0: automatic (see
     # tfpar.parallel.devices.intra_op_threads).
     intra_op_threads: int = 0
+    # Hide every GPU and train on CPUs (tfpar.parallel.devices.configure_gpus); without
+    # it, a host that should have GPUs where TensorFlow finds none is an error.
+    cpu_only: bool = False
 
     def __post_init__(self) -> None:
         _choice("all-reduce", self.all_reduce, ALL_REDUCE)

@@ -17,6 +17,7 @@ import re
 import tensorflow as tf
 
 from tfpar.errors import ConfigError, DeviceError
+from tfpar.parallel.host import gpus_expected
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,37 @@ def configure_cpu_devices(count: int) -> int:
             f"initialised with {existing}; set --cpu-devices before anything runs on TensorFlow"
         )
     return existing
+
+
+def configure_gpus(cpu_only: bool = False) -> None:
+    """GPU set-up, before TensorFlow initialises.
+
+    ``cpu_only`` (``--cpu-only``): every GPU hidden, the run uses CPUs. Otherwise each GPU
+    grows its memory as needed (TensorFlow's default maps nearly all of it at start), and
+    a host that should have GPUs (:func:`~tfpar.parallel.host.gpus_expected`) where
+    TensorFlow found none fails here instead of training on CPUs unnoticed.
+
+    Raises:
+      DeviceError: GPUs expected, none usable.
+    """
+    if cpu_only:
+        try:
+            tf.config.set_visible_devices([], "GPU")
+        except RuntimeError:  # TensorFlow had started (a second run in one process)
+            log.warning("--cpu-only comes after TensorFlow started: the GPUs stay visible")
+            return
+        log.info("--cpu-only: GPUs hidden, training on CPUs")
+        return
+    gpus = tf.config.list_physical_devices("GPU")
+    for gpu in gpus:
+        tf.config.experimental.set_memory_growth(gpu, True)
+    if not gpus:
+        evidence = gpus_expected()
+        if evidence:
+            raise DeviceError(
+                f"this host should have GPUs ({evidence}) but TensorFlow found none; its "
+                "log lines above say what failed (driver, CUDA libraries: pip install "
+                "'tfpar[gpu]' brings them); pass --cpu-only to train on CPUs")
 
 
 def num_gpus() -> int:
@@ -172,11 +204,25 @@ def parse_device_list(text: str) -> tuple[str, ...]:
 
 def data_parallel_devices(dist, default_count: int = 2) -> list[str]:
     """The devices of a one-process data-parallel strategy (mirrored, tower,
-    parallel_do): ``--devices``, all GPUs, or ``--cpu-devices`` logical CPUs (default 2)."""
+    parallel_do): ``--devices``; else every GPU (one GPU is one replica); else, on a host
+    without GPUs, ``--cpu-devices`` logical CPUs (default 2).
+
+    Raises:
+      ConfigError: ``--cpu-devices`` on a host with GPUs (the GPUs would be left idle;
+        that choice is made by hiding them, ``CUDA_VISIBLE_DEVICES=``).
+    """
     if dist.devices:
         return resolve_devices(dist.devices)
-    if num_gpus() >= 2:
-        return default_devices(num_gpus())
+    gpus = num_gpus()
+    if gpus and dist.cpu_devices:
+        raise ConfigError(
+            f"--cpu-devices {dist.cpu_devices}: this host has {gpus} GPU(s), which "
+            f"--strategy {dist.strategy} trains on; drop --cpu-devices, name devices with "
+            "--devices, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on logical CPUs")
+    if gpus:
+        names = default_devices(gpus)
+        log.info("using %d GPU(s): %s (%d replica(s))", gpus, ", ".join(names), gpus)
+        return names
     count = dist.cpu_devices or default_count
     names = default_devices(count)
     log.info("no GPUs: using %d logical CPU devices (%s)", count, ", ".join(names))

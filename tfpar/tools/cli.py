@@ -57,6 +57,10 @@ def add_distribution_flags(p: argparse.ArgumentParser) -> None:
                    help="log the device every op runs on (TensorFlow's placement log)")
     g.add_argument("--soft-placement", action="store_true",
                    help="let ops with no kernel on the requested device run elsewhere")
+    g.add_argument("--cpu-only", action="store_true",
+                   help="hide every GPU and train on CPUs (without it, a host with NVIDIA "
+                        "devices or CUDA_VISIBLE_DEVICES where TensorFlow finds no GPU "
+                        "stops with an error)")
     g.add_argument("--intra-op-threads", type=int, default=0,
                    help="threads one op may use (default 0: with N logical CPU devices "
                         "working at once, the host's cores / N, so replicas or stages run "
@@ -271,6 +275,7 @@ def dist_config_from_args(a: argparse.Namespace) -> cfg.DistConfig:
         variable_device=a.variable_device, tower_reduce=a.tower_reduce,
         communication=a.communication, stages=a.stages, micro_batches=a.micro_batches,
         log_device_placement=a.log_device_placement, soft_placement=a.soft_placement,
+        cpu_only=a.cpu_only,
     )
 
 
@@ -362,6 +367,7 @@ def prepare_runtime(dist: cfg.DistConfig) -> None:
     # configure_cpu_devices initialises it); set later, the log stays silent.
     devices.set_placement_options(log_placement=dist.log_device_placement,
                                   soft_placement=dist.soft_placement)
+    devices.configure_gpus(dist.cpu_only)  # GPUs hidden, or memory growth; usable or error
     # Cluster strategies configure TF's collective/gRPC runtime, which must happen before
     # it initialises (listing devices would); they use one CPU device per task.
     count = 1 if dist.strategy in CLUSTER_STRATEGIES else cpu_devices_needed(dist)

@@ -13,7 +13,11 @@ replaced by a pipe that a thread copies to the real stderr, line by line, leavin
 
 Every other line passes unchanged and in order: Python's own output (tfpar's log,
 progress bars, tracebacks), native F (fatal) lines and every other native E line, so a
-real error is never hidden. ``-v`` / ``--verbose`` (or ``--log-device-placement``,
+real error is never hidden. On a host that should have GPUs (an NVIDIA device node, or
+``CUDA_VISIBLE_DEVICES`` naming devices: :func:`tfpar.parallel.host.gpus_expected`) the
+GPU library and driver lines of every severity pass too (:data:`GPU_LINE`: "Cannot
+dlopen some GPU libraries", ``cuInit`` failing, devices created): there they are the
+news, not the noise. ``-v`` / ``--verbose`` (or ``--log-device-placement``,
 whose output is native I lines) turns the filter off.
 """
 
@@ -39,14 +43,21 @@ BENIGN_ERRORS = re.compile(
     rb"|computation_placer\.cc:\d+\] computation placer already registered"
     rb"|node_def_util\.cc:\d+\] NodeDef mentions attribute \w+ which is not in the op "
     rb"definition)")
+# Native lines about GPUs, their libraries and driver (shown where GPUs are expected),
+# except the factory-registration notices every CUDA build prints twice on any host.
+GPU_LINE = re.compile(rb"GPU|[Cc][Uu][Dd][Aa]|cuInit|cu[Dd][Nn][Nn]|dlopen|NVIDIA|nvidia")
+REGISTRATION = re.compile(rb"cuda_(?:dnn|fft|blas)\.cc:\d+\] Unable to register")
 VERBOSE_FLAGS = ("-v", "--verbose", "--log-device-placement")
 
 
-def hidden(line: bytes) -> bool:
-    """Whether a complete stderr line is native chatter to leave out."""
+def hidden(line: bytes, show_gpu: bool = False) -> bool:
+    """Whether a complete stderr line is native chatter to leave out; with ``show_gpu``
+    (this host should have GPUs) no GPU, CUDA or driver line is."""
     if line.startswith(PREAMBLE):
         return True
     if not NATIVE.match(line):
+        return False
+    if show_gpu and GPU_LINE.search(line) and not REGISTRATION.search(line):
         return False
     return line[:1] in (b"I", b"W") or bool(BENIGN_ERRORS.search(line))
 
@@ -65,8 +76,8 @@ def may_become_native(partial: bytes) -> bool:
 class LineFilter:
     """Copies bytes to ``write`` with :func:`hidden` lines left out."""
 
-    def __init__(self, write):
-        self.write = write
+    def __init__(self, write, show_gpu: bool = False):
+        self.write, self.show_gpu = write, show_gpu
         self.pending = b""  # an unfinished line held back
         self.passing = False  # the unfinished line was already (partly) written
 
@@ -77,7 +88,7 @@ class LineFilter:
             if self.passing:
                 self.write(line + b"\n")
                 self.passing = False
-            elif not hidden(line + b"\n"):
+            elif not hidden(line + b"\n", self.show_gpu):
                 self.write(line + b"\n")
         last = lines[-1]
         if last:
@@ -88,7 +99,7 @@ class LineFilter:
                 self.pending = last
 
     def close(self) -> None:
-        if self.pending and not hidden(self.pending):
+        if self.pending and not hidden(self.pending, self.show_gpu):
             self.write(self.pending)
         self.pending = b""
 
@@ -112,7 +123,9 @@ def quiet_native_logs(argv: Sequence[str] | None = None) -> bool:
         while data:
             data = data[os.write(real, data):]
 
-    line_filter = LineFilter(write_all)
+    from tfpar.parallel.host import gpus_expected
+
+    line_filter = LineFilter(write_all, show_gpu=gpus_expected() is not None)
 
     def pump():
         while True:
