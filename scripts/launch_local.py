@@ -48,7 +48,8 @@ sys.path.insert(0, str(REPO))
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="launch_local.py",
-        usage="%(prog)s --workers N [--ps M] [--restarts K] [--ports LIST] -- <train.py flags>",
+        usage="%(prog)s --workers N [--ps M] [--restarts K] [--ports LIST] "
+              "[--gpus-per-task G] -- <train.py flags>",
         description=__doc__.split("\n\n")[0].strip(),
         epilog=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -65,6 +66,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ports", default="",
                    help="comma-separated loopback ports, one per task in the order chief, "
                         "workers, ps (default: free ports picked for every attempt)")
+    p.add_argument("--gpus-per-task", type=int, default=0,
+                   help="give each chief/worker task G GPUs of its own (CUDA_VISIBLE_DEVICES: "
+                        "worker 1 of 2 with G=2 gets 2,3; ps tasks get none; default 0: "
+                        "every task sees every GPU)")
     return p
 
 
@@ -82,7 +87,7 @@ def main(argv=None) -> int:
     from tfpar.tools.cli import run_main
 
     def body():
-        for flag in ("restarts", "worker_restarts"):
+        for flag in ("restarts", "worker_restarts", "gpus_per_task"):
             if getattr(args, flag) < 0:
                 raise ClusterError(f"--{flag.replace('_', '-')} must be >= 0, "
                                    f"got {getattr(args, flag)}")
@@ -97,7 +102,7 @@ def main(argv=None) -> int:
         def plan():
             return plan_job(strategy, workers=args.workers, ps=ps, ports=ports)
 
-        plan()  # bad counts or taken ports fail here, before anything starts
+        plan().release()  # bad counts or taken ports fail here, before anything starts
         print(f"[launch] {strategy}: {args.workers} worker(s)"
               f"{f', {ps} ps' if ps else ''}; model dir {flag_value(flags, '--model-dir')}",
               flush=True)
@@ -105,7 +110,8 @@ def main(argv=None) -> int:
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         status = run_job(plan, train_command(str(REPO / "scripts" / "train.py"), flags),
                          restarts=args.restarts, env=env,
-                         task_restarts=args.worker_restarts)
+                         task_restarts=args.worker_restarts,
+                         gpus_per_task=args.gpus_per_task)
         if status:
             print(f"error: the {strategy} job failed (status {status}); see the log above",
                   file=sys.stderr)

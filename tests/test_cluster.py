@@ -4,6 +4,7 @@ process handling (with tiny Python child processes, so these run in seconds)."""
 import io
 import json
 import os
+import re
 import socket
 import sys
 
@@ -152,6 +153,35 @@ def test_run_job_releases_each_attempts_ports(monkeypatch):
     assert status == 3 and len(plans) == 2
     assert not any(plain_bind_refused(int(a.rsplit(":", 1)[1]))
                    for p in plans for a in p.cluster["worker"])
+
+
+@pytest.mark.parametrize("strategy,kwargs,per_task,want", [
+    ("multi_worker", dict(workers=2), 2, {"worker 0": "0,1", "worker 1": "2,3"}),
+    ("parameter_server", dict(workers=2, ps=1), 1,
+     {"chief 0": "0", "worker 0": "1", "worker 1": "2", "ps 0": ""}),  # ps tasks: none
+    ("multi_worker", dict(workers=2), 0, {"worker 0": "*", "worker 1": "*"}),  # untouched
+])
+def test_gpus_per_task_gives_each_computing_task_its_own(strategy, kwargs, per_task, want,
+                                                         monkeypatch):
+    """Each child prints the CUDA_VISIBLE_DEVICES it got (tiny Python children; a job
+    stops at its first finished server, so not every print is read: the launch lines
+    name every task's GPUs)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "*")
+    out = io.StringIO()
+    code = "import os; print('gpus=' + os.environ['CUDA_VISIBLE_DEVICES'])"
+    status = run_job(lambda: plan_job(strategy, **kwargs),
+                     lambda task: [sys.executable, "-c", code], out=out,
+                     gpus_per_task=per_task, task_restarts=0)
+    lines = out.getvalue().splitlines()
+    got = {line[1:].split("]")[0]: line.split("gpus=")[1] for line in lines if "gpus=" in line}
+    assert got and all(want[task] == gpus for task, gpus in got.items()), lines
+    assert "worker 0" in got or "chief 0" in got
+    if per_task:
+        launched = {m.group(1): m.group(2) for m in
+                    map(re.compile(r"\[launch\] started (\w+ \d) \(pid \d+\) at \S+, GPUs "
+                                   r"(.*)$").match, lines) if m}
+        assert launched == {task: gpus or "none" for task, gpus in want.items()}, lines
+    assert status in (0, 1)  # (parameter-server servers exiting early end that job)
 
 
 def test_a_reservation_is_a_context_manager():

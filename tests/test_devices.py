@@ -118,3 +118,18 @@ def test_the_cpu_suite_hides_any_gpu_from_itself_and_its_subprocesses():
                           "'CUDA_VISIBLE_DEVICES']))"], capture_output=True, text=True,
                          timeout=60).stdout
     assert out.strip() == "''"
+
+
+@pytest.mark.parametrize("batch,replicas,warned", [(6, 2, True), (8, 2, False), (3, 1, False)])
+def test_a_few_rows_per_replica_are_warned_about(batch, replicas, warned, caplog):
+    import logging
+
+    from tfpar.config import Config, TrainConfig
+    from tfpar.training.run import check_batch_sizes
+
+    config = Config(train=TrainConfig(batch_size=batch), dist=DistConfig(strategy="mirrored"))
+    with caplog.at_level(logging.WARNING, logger="tfpar.training.run"):
+        check_batch_sizes(config, replicas)
+    assert (f"--batch-size {batch} over {replicas} replicas is 3 rows each: too few to keep a "
+            f"device busy; --batch-size 8 or more gives each 4" in caplog.text) == warned
+    assert bool(caplog.records) == warned

@@ -42,6 +42,8 @@ def load_launcher():
      "error: --restarts must be >= 0, got -1"),
     (["--workers", "1", "--worker-restarts", "-2", "--", "--strategy", "parameter_server"],
      "error: --worker-restarts must be >= 0, got -2"),
+    (["--workers", "1", "--gpus-per-task", "-1", "--", "--strategy", "multi_worker"],
+     "error: --gpus-per-task must be >= 0, got -1"),
 ])
 def test_usage_errors_start_nothing(argv, message, capsys):
     assert load_launcher().main(argv) == 2

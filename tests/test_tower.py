@@ -270,8 +270,15 @@ def test_non_finite_gradient_leaves_the_weights_alone():
 
 
 def test_default_variable_device():
-    assert default_variable_device(["/device:GPU:0", "/device:GPU:1"]) == "/device:CPU:0"
+    """The first tower's, GPU towers included (the weights stay on the GPUs); "cpu"
+    asks for TF1's host placement."""
+    assert default_variable_device(["/device:GPU:0", "/device:GPU:1"]) == "/device:GPU:0"
     assert default_variable_device(["/device:CPU:1", "/device:CPU:2"]) == "/device:CPU:1"
+    from tfpar.parallel.tower import build_tower
+
+    plugin = build_tower(DistConfig(strategy="tower", devices=("/cpu:1", "/cpu:2"),
+                                    variable_device="cpu"))
+    assert plugin.variable_device == "/device:CPU:0"
     plugin = build_strategy(DistConfig(strategy="tower", cpu_devices=3))
     assert plugin.devices == CPU[:3] and plugin.variable_device == CPU[0]
     assert plugin.num_replicas == 3

@@ -315,8 +315,8 @@ class DistConfig:
     cpu_devices: int = 0
     # Cross-device reduction of MirroredStrategy.
     all_reduce: str = "auto"
-    # Tower strategy: where the variables live (empty: /cpu:0 for GPU towers, else the
-    # first tower device).
+    # Tower strategy: where the variables live, a device or "cpu" (empty: the first
+    # tower's device).
     variable_device: str = ""
     # Tower strategy: "controller" gathers gradients on the variable device; "ring" runs
     # a chunked ring all-reduce across the tower devices.

@@ -41,8 +41,8 @@ def add_distribution_flags(p: argparse.ArgumentParser) -> None:
                    help="mirrored cross-device reduction: auto | nccl | hierarchical_copy | "
                         "reduce_to_one (auto: NCCL with >=2 GPUs, else reduce_to_one)")
     g.add_argument("--variable-device", default="",
-                   help="tower: where variables live (default: /cpu:0 for GPU towers, else "
-                        "the first tower device)")
+                   help="tower: where variables live, a device or cpu (the host CPU, as "
+                        "TF1's cifar10_multi_gpu_train; default: the first tower's device)")
     g.add_argument("--tower-reduce", default="controller",
                    help="tower: controller (gather on the variable device) | ring (chunked "
                         "ring all-reduce across towers)")

@@ -44,8 +44,14 @@ from tfpar.training.state import build_train_state
 log = logging.getLogger(__name__)
 
 
+# Fewer training rows per replica than this leave a GPU mostly idle (each replica runs a
+# whole time step's kernels for a handful of rows); warned about, not refused.
+FEW_ROWS = 4
+
+
 def check_batch_sizes(config: Config, num_replicas: int) -> None:
-    """Every replica must get at least one row of every full global batch."""
+    """Every replica must get at least one row of every full global batch; fewer than
+    FEW_ROWS training rows each is warned about."""
     for flag, size in (("--batch-size", config.train.batch_size),
                        ("--eval-batch-size", config.train.global_eval_batch_size)):
         if size < num_replicas:
@@ -53,6 +59,11 @@ def check_batch_sizes(config: Config, num_replicas: int) -> None:
                 f"{flag} {size} is a global batch smaller than the {num_replicas} replicas of "
                 f"--strategy {config.dist.strategy}; use {flag} >= {num_replicas}"
             )
+    rows = config.train.batch_size / num_replicas
+    if num_replicas > 1 and rows < FEW_ROWS:
+        log.warning("--batch-size %d over %d replicas is %.3g rows each: too few to keep a "
+                    "device busy; --batch-size %d or more gives each %d", config.train.batch_size,
+                    num_replicas, rows, FEW_ROWS * num_replicas, FEW_ROWS)
 
 
 def load_vocab(config: Config, corpus: LoadedCorpus) -> tuple[Vocab, np.ndarray | None]:

@@ -57,6 +57,16 @@ class JobPlan:
     def tf_config(self, task: Task) -> str:
         return tf_config_json(self.cluster, task.type, task.index)
 
+    def gpus(self, task: Task, per_task: int) -> str:
+        """``CUDA_VISIBLE_DEVICES`` of ``task`` when each computing task (chief, workers;
+        not ps tasks, which only hold variables) gets ``per_task`` GPUs of its own, in
+        task order: worker 1 of a multi_worker job with 2 each gets "2,3"."""
+        computing = [t for t in self.tasks if t.type != "ps"]
+        if task not in computing:
+            return ""
+        first = computing.index(task) * per_task
+        return ",".join(str(first + i) for i in range(per_task))
+
     def release(self) -> None:
         """Lets the picked ports go once no task of this plan runs any more."""
         if self.reservation is not None:
@@ -156,8 +166,9 @@ class LocalJob:
 
     def __init__(self, plan: JobPlan, command: Callable[[Task], list[str]], *,
                  out: TextIO | None = None, env: Mapping[str, str] | None = None,
-                 grace: float = 10.0, task_restarts: int = 3):
+                 grace: float = 10.0, task_restarts: int = 3, gpus_per_task: int = 0):
         self.plan, self.command, self.grace = plan, command, grace
+        self.gpus_per_task = gpus_per_task
         self.task_restarts = task_restarts
         self.restarted: dict[Task, int] = {}
         self.out = out if out is not None else sys.stdout
@@ -178,11 +189,15 @@ class LocalJob:
 
     def _spawn(self, task: Task) -> None:
         env = dict(self.env, TF_CONFIG=self.plan.tf_config(task), PYTHONUNBUFFERED="1")
+        gpus = ""
+        if self.gpus_per_task:
+            env["CUDA_VISIBLE_DEVICES"] = self.plan.gpus(task, self.gpus_per_task)
+            gpus = f", GPUs {env['CUDA_VISIBLE_DEVICES'] or 'none'}"
         proc = subprocess.Popen(self.command(task), env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.processes[task] = proc
         self.emit(f"[launch] started {task.name} (pid {proc.pid}) at "
-                  f"{self.plan.cluster[task.type][task.index]}")
+                  f"{self.plan.cluster[task.type][task.index]}{gpus}")
         thread = threading.Thread(target=self._pump, args=(task, proc), daemon=True)
         thread.start()
         self._threads.append(thread)
@@ -234,11 +249,15 @@ class LocalJob:
 
 def run_job(make_plan: Callable[[], JobPlan], command: Callable[[Task], list[str]], *,
             restarts: int = 0, out: TextIO | None = None,
-            env: Mapping[str, str] | None = None, task_restarts: int = 3) -> int:
+            env: Mapping[str, str] | None = None, task_restarts: int = 3,
+            gpus_per_task: int = 0) -> int:
     """Runs a local job, restarting all of it up to ``restarts`` times after a failure.
 
     A restartable task (a parameter-server worker) is first started again alone, up to
     ``task_restarts`` times per attempt (see :class:`LocalJob`).
+
+    ``gpus_per_task`` > 0 gives each computing task that many GPUs of its own
+    (``CUDA_VISIBLE_DEVICES``, :meth:`JobPlan.gpus`).
 
     ``make_plan`` is called for every attempt, so a restart gets fresh free ports (the
     old ones may still be closing); each attempt's plan is released when it ends. A task that exits with status 2 (a usage error) ends
@@ -248,7 +267,8 @@ def run_job(make_plan: Callable[[], JobPlan], command: Callable[[Task], list[str
       0 on success, else the failed task's status (1 for a signal or an early server exit).
     """
     for attempt in range(restarts + 1):
-        job = LocalJob(make_plan(), command, out=out, env=env, task_restarts=task_restarts)
+        job = LocalJob(make_plan(), command, out=out, env=env, task_restarts=task_restarts,
+                       gpus_per_task=gpus_per_task)
         if attempt:
             job.emit(f"[launch] restarting the whole job (restart {attempt} of {restarts})")
         try:
