@@ -281,7 +281,7 @@ def test_variable_device_and_soft_placement_in_train_and_evaluate(
     """train.py --strategy tower with towers on /cpu:1,/cpu:2 would keep its variables on
     /cpu:1; --variable-device /cpu:3 puts the weights and the optimizer's variables
     there, and --soft-placement turns TensorFlow's soft placement on for the run
-    (train.py sets it from the flag: off without it). evaluate.py --model-dir takes both
+    (without either flag TensorFlow's setting stays). evaluate.py --model-dir takes both
     flags too: the rebuilt model's variables on /cpu:2, soft placement on, and the valid
     perplexity training reported (on one device) for the same checkpoint."""
     tf.config.set_soft_device_placement(False)
@@ -727,3 +727,19 @@ def test_saved_model_without_tfpars_signatures(tmp_path):
             f"SavedModel '{version}' lacks the signature(s) score, generate; re-export it "
             "with this tfpar")):
         export.load_saved_model(str(tmp_path / "other"))
+
+
+@pytest.mark.parametrize("flag,want", [([], None), (["--soft-placement"], True),
+                                       (["--no-soft-placement"], False)])
+def test_soft_placement_is_tensorflows_default_unless_a_flag_says(flag, want,
+                                                                  soft_placement_restored):
+    """No flag leaves TensorFlow's setting (on by default: the sampled softmax's
+    CPU-only op can leave a GPU); either flag sets it."""
+    from tfpar.parallel import devices
+    from tfpar.tools.cli import dist_config_from_args, train_parser
+
+    dist = dist_config_from_args(train_parser().parse_args(flag))
+    assert dist.soft_placement is want
+    tf.config.set_soft_device_placement(True)
+    devices.set_placement_options(log_placement=False, soft_placement=dist.soft_placement)
+    assert tf.config.get_soft_device_placement() is (True if want is None else want)

@@ -329,8 +329,10 @@ class DistConfig:
     micro_batches: int = 4
     # Log where every op runs (TensorFlow's placement log).
     log_device_placement: bool = False
-    # Let ops without a kernel on the requested device fall back to another device.
-    soft_placement: bool = False
+    # Let ops without a kernel on the requested device fall back to another device (the
+    # sampled softmax's accidental-hit removal has only a CPU kernel). None: TensorFlow's
+    # default, on.
+    soft_placement: bool | None = None
     # Threads one op may use (TF's intra-op pool); 0: automatic (see
     # tfpar.parallel.devices.intra_op_threads).
     intra_op_threads: int = 0

@@ -188,10 +188,12 @@ def configure_threads(intra_op: int, *, requested: bool = True) -> None:
             "when %d was asked for", intra_op)
 
 
-def set_placement_options(*, log_placement: bool, soft_placement: bool) -> None:
-    """TensorFlow's placement log and soft placement (``allow_soft_placement`` in TF1)."""
+def set_placement_options(*, log_placement: bool, soft_placement: bool | None) -> None:
+    """TensorFlow's placement log and soft placement (``allow_soft_placement`` in TF1;
+    None leaves TensorFlow's setting, on by default)."""
     tf.debugging.set_log_device_placement(log_placement)
-    tf.config.set_soft_device_placement(soft_placement)
+    if soft_placement is not None:
+        tf.config.set_soft_device_placement(soft_placement)
 
 
 def parse_device_list(text: str) -> tuple[str, ...]:

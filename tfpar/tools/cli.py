@@ -55,8 +55,10 @@ def add_distribution_flags(p: argparse.ArgumentParser) -> None:
                    help="pipeline: micro-batches per global batch (default: %(default)s)")
     g.add_argument("--log-device-placement", action="store_true",
                    help="log the device every op runs on (TensorFlow's placement log)")
-    g.add_argument("--soft-placement", action="store_true",
-                   help="let ops with no kernel on the requested device run elsewhere")
+    g.add_argument("--soft-placement", action=argparse.BooleanOptionalAction, default=None,
+                   help="let ops with no kernel on the requested device run elsewhere "
+                        "(default: TensorFlow's, on; --no-soft-placement makes such an op "
+                        "an error, to find ops that leave their device)")
     g.add_argument("--cpu-only", action="store_true",
                    help="hide every GPU and train on CPUs (without it, a host with NVIDIA "
                         "devices or CUDA_VISIBLE_DEVICES where TensorFlow finds no GPU "
