@@ -79,7 +79,7 @@ SYNC = {
 
 
 # ----------------------------------------------------------------------------- helpers
-def adam(epoch):
+def adam(epoch, lr_scale):
     return keras.optimizers.Adam(0.01)
 
 

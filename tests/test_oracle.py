@@ -193,7 +193,7 @@ def tfpar_run(config: ModelConfig, weights, clip: float, dist=DistConfig(),
     """tfpar's strategy ``dist`` (``default``: one device): the train state and step."""
     plugin = build_strategy(dist)
     make_optimizer = make_optimizer or (
-        lambda epoch: keras.optimizers.SGD(LR, momentum=MOMENTUM))
+        lambda epoch, lr_scale: keras.optimizers.SGD(LR, momentum=MOMENTUM))
     state = build_train_state(plugin.scope(), config, V, seed=SEED,
                               make_optimizer=make_optimizer, initial_weights=weights,
                               fixed_shapes=False)

@@ -26,6 +26,7 @@ DEFAULT_NUM_SAMPLED = 8192
 ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
 SCALE_LR = ("none", "linear")
 ON_NAN = ("stop", "skip")
+FINAL_WEIGHTS = ("best", "last")
 TOWER_REDUCE = ("controller", "ring")
 COMMUNICATION = ("auto", "ring", "nccl")
 # How text becomes tokens; defined in tfpar/data/tokenize.py.
@@ -279,6 +280,12 @@ class TrainConfig:
     # Training steps per tf.function call (a loop over the input iterator inside the
     # graph, no host round trip between them); 1: one step per call.
     steps_per_execution: int = 1
+    # Stop training after this many epochs in a row without a better valid perplexity
+    # (0: never).
+    early_stop: int = 0
+    # Multiply the learning rate by this after every epoch whose valid perplexity is not
+    # the best so far (PyTorch's word_language_model divides by 4: 0.25); 0: off.
+    lr_decay_on_plateau: float = 0.0
 
     def __post_init__(self) -> None:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -288,6 +295,10 @@ class TrainConfig:
         _non_negative("nan-patience", self.nan_patience)
         _non_negative("weight-decay", self.weight_decay)
         _non_negative("time-limit", self.time_limit)
+        _non_negative("early-stop", self.early_stop)
+        if not 0.0 <= self.lr_decay_on_plateau < 1.0:
+            raise ConfigError(f"--lr-decay-on-plateau must be in [0, 1) (0: off; 0.25 divides "
+                              f"the rate by 4), got {self.lr_decay_on_plateau}")
         _positive("lr", self.lr)
         _positive("lr-decay", self.lr_decay)
         _non_negative("decay-after", self.decay_after)
@@ -374,8 +385,12 @@ class RunConfig:
     progress: bool = True
     # Profile these steps (first, last) into the TensorBoard log (empty: no profile).
     profile_steps: tuple[int, ...] = ()
+    # The weights the final evaluation and the export use: "best", those of the epoch
+    # with the best valid perplexity (kept in <model_dir>/best), or "last".
+    final_weights: str = "best"
 
     def __post_init__(self) -> None:
+        _choice("final-weights", self.final_weights, FINAL_WEIGHTS)
         _non_negative("checkpoint-every", self.checkpoint_every)
         _positive("keep-checkpoints", self.keep_checkpoints)
         _positive("log-every", self.log_every)

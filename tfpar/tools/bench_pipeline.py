@@ -55,7 +55,7 @@ def _train_step(stages: str, micro_batches: int, model_config, vocab_size: int, 
     plugin = build_strategy(DistConfig(strategy="pipeline", stages=stages,
                                        micro_batches=micro_batches))
     state = build_train_state(plugin.scope(), model_config, vocab_size, seed=seed,
-                              make_optimizer=lambda epoch: keras.optimizers.SGD(0.01))
+                              make_optimizer=lambda epoch, lr_scale: keras.optimizers.SGD(0.01))
     step = plugin.make_train_step(state.model, state.optimizer, clip_norm=5.0)
     return step, len(plugin.stages)
 

@@ -204,6 +204,13 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nan-patience", type=int, default=10,
                    help="--on-nan skip gives up after N non-finite batches in a row "
                         "(0: never; default: %(default)s)")
+    g.add_argument("--early-stop", type=int, default=0, metavar="EPOCHS",
+                   help="stop training after this many epochs in a row without a better "
+                        "valid perplexity (default 0: never)")
+    g.add_argument("--lr-decay-on-plateau", type=float, default=0.0, metavar="FACTOR",
+                   help="multiply the learning rate by FACTOR after each epoch whose valid "
+                        "perplexity is not the best so far (0.25: divide by 4, as PyTorch's "
+                        "word_language_model; default 0: off)")
 
 
 def add_output_flags(p: argparse.ArgumentParser) -> None:
@@ -220,6 +227,10 @@ def add_output_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept")
     g.add_argument("--log-every", type=int, default=10, help="summary interval in steps")
     g.add_argument("--metrics-json", default="", help="write final metrics to this JSON file")
+    g.add_argument("--final-weights", default="best",
+                   help="best | last: the weights the final valid/test evaluation and the "
+                        "export use: those of the epoch with the best valid perplexity (kept "
+                        "in <model-dir>/best) or the last ones (default: %(default)s)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--profile-steps", default="",
                    help="A,B: profile steps A..B into the TensorBoard log")
@@ -314,6 +325,7 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
             eval_batch_size=a.eval_batch_size, seed=a.seed, deterministic=a.deterministic,
             on_nan=a.on_nan, nan_patience=a.nan_patience, weight_decay=a.weight_decay,
             time_limit=a.time_limit, steps_per_execution=a.steps_per_execution,
+            early_stop=a.early_stop, lr_decay_on_plateau=a.lr_decay_on_plateau,
         ),
         dist=dist_config_from_args(a),
         run=cfg.RunConfig(
@@ -321,6 +333,7 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
             export=not a.no_export, checkpoint_every=a.checkpoint_every,
             keep_checkpoints=a.keep_checkpoints, log_every=a.log_every,
             metrics_json=a.metrics_json, progress=not a.no_progress, profile_steps=profile,
+            final_weights=a.final_weights,
         ),
     )
 

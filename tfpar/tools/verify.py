@@ -249,7 +249,7 @@ def run_plugin(setup: Setup, dist: DistConfig) -> RunResult:
     plugin = build_strategy(dist)
     state = build_train_state(plugin.scope(), setup.model_config, setup.vocab_size,
                               seed=setup.spec.seed, initial_weights=setup.initial_weights,
-                              make_optimizer=lambda epoch: setup.make_optimizer(),
+                              make_optimizer=lambda epoch, lr_scale: setup.make_optimizer(),
                               fixed_shapes=setup.spec.mode == "stream")
     train_step = plugin.make_train_step(state.model, state.optimizer,
                                         clip_norm=setup.clip_norm)

@@ -30,6 +30,7 @@ from tfpar.parallel.registry import ASYNCHRONOUS
 log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 LOCK_FILE = "LOCK"
+BEST = "best"  # <model_dir>/best: the state with the best valid perplexity
 
 
 def incompatible(model_dir: str, what: str) -> CheckpointError:
@@ -291,6 +292,27 @@ class Checkpointer:
                 f"{len(self.manager.checkpoints)}); remove the folder to start afresh")
         return None
 
+    @property
+    def best_directory(self) -> str:
+        """Where the best epoch's state is kept: ``<model_dir>/best``."""
+        return os.path.join(os.path.dirname(self.directory), BEST)
+
+    def save_best(self, step: int) -> None:
+        """The state at ``step`` (an epoch end with the best valid perplexity so far, or
+        the final weights when they are better) as ``<model_dir>/best/ckpt-<step>``, the
+        previous best deleted."""
+        self.before_save()
+        self._write(tf.train.CheckpointManager(self.checkpoint, self.best_directory, 1), step)
+
+    def restore_best(self) -> int:
+        """Restores the state kept by :meth:`save_best`; returns its step."""
+        path = tf.train.latest_checkpoint(self.best_directory)
+        if path is None:
+            raise CheckpointError(f"no best checkpoint in {self.best_directory}; run with "
+                                  "--final-weights last")
+        self.checkpoint.restore(path).assert_existing_objects_matched()
+        return int(path.rsplit("-", 1)[-1])
+
     def save(self, step: int) -> None:
         """Saves the state at ``step`` unless that step is saved already.
 
@@ -300,15 +322,20 @@ class Checkpointer:
         if step == self._last_saved:
             return
         self.before_save()
+        self._write(self.manager, step)
+        self._last_saved = step
+
+    def _write(self, manager: tf.train.CheckpointManager, step: int) -> None:
+        """``manager.save`` on the chief; a scratch save other workers join and delete."""
         if self.is_chief:
             try:
-                self.manager.save(checkpoint_number=step)
+                manager.save(checkpoint_number=step)
             except (OSError, tf.errors.OpError) as e:
                 # TF writes a checkpoint under temporary names and renames it last, so a
                 # failed write leaves the previous checkpoint as the latest one.
                 reason = getattr(e, "strerror", None) or getattr(e, "message", None) or str(e)
                 raise CheckpointError(
-                    f"cannot write the checkpoint of step {step} to {self.directory}: "
+                    f"cannot write the checkpoint of step {step} to {manager.directory}: "
                     f"{reason.strip().splitlines()[0]}; free space or give another "
                     "--model-dir, then run again to resume from the last checkpoint") from None
         else:
@@ -317,4 +344,3 @@ class Checkpointer:
                 tf.train.CheckpointManager(self.checkpoint, scratch, 1).save(checkpoint_number=step)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
-        self._last_saved = step

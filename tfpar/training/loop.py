@@ -86,6 +86,7 @@ class Loop:
         self.first_bad = (0, None)  # position and state of the first of bad_in_a_row
         self.epoch_began = (time.perf_counter(), Progress())  # for the epoch's log line
         self.started, self.timed_out = time.monotonic(), False  # for --time-limit
+        self.stopped_early = False  # --early-stop ended training (logged once)
         checkpointer.before_save = self.store_carry
         self.stop_signal = StopSignal()
         self.bar = ProgressHook() if config.run.progress else None
@@ -99,9 +100,12 @@ class Loop:
         return self.state.step
 
     def done(self) -> bool:
-        """--max-steps reached, or --time-limit minutes of training spent."""
+        """--max-steps reached, --time-limit minutes of training spent, or --early-stop
+        epochs ended in a row without a better valid perplexity."""
         max_steps = self.config.train.max_steps
         if max_steps and self.step >= max_steps:
+            return True
+        if self.early_stopped():
             return True
         limit = self.config.train.time_limit
         if limit and time.monotonic() - self.started >= 60.0 * limit:
@@ -264,6 +268,42 @@ class Loop:
             for hook in self.hooks:
                 hook(r)
 
+    def early_stopped(self) -> bool:
+        patience = self.config.train.early_stop
+        selection = self.state.selection
+        if not (patience and selection is not None
+                and int(selection.stale_epochs.numpy()) >= patience):
+            return False
+        if not self.stopped_early:
+            log.info("--early-stop %d: %d epochs without a better valid perplexity than "
+                     "%.2f (epoch %d); stopping training", patience, patience,
+                     float(selection.best_valid_ppl.numpy()), int(selection.best_epoch.numpy()))
+            self.stopped_early = True
+        return True
+
+    def select(self, epoch: int, ppl: float) -> bool:
+        """Epoch ``epoch``'s valid perplexity against the best so far: a better one is the
+        new best (True); otherwise one more stale epoch, and --lr-decay-on-plateau
+        lowers the learning rate."""
+        selection = self.state.selection
+        if selection is None:
+            return False
+        if ppl < float(selection.best_valid_ppl.numpy()):
+            selection.best_valid_ppl.assign(ppl)
+            selection.best_epoch.assign(epoch + 1)
+            selection.best_step.assign(self.step)
+            selection.stale_epochs.assign(0)
+            return True
+        selection.stale_epochs.assign_add(1)
+        factor = self.config.train.lr_decay_on_plateau
+        if factor:
+            selection.lr_scale.assign(selection.lr_scale * factor)
+            log.info("valid ppl %.2f is no better than %.2f (epoch %d): learning rate x %g "
+                     "(x %.4g in all)", ppl, float(selection.best_valid_ppl.numpy()),
+                     int(selection.best_epoch.numpy()), factor,
+                     float(selection.lr_scale.numpy()))
+        return False
+
     def end_epoch(self, epoch: int) -> None:
         nll, count = evaluate(self.plugin, self.eval_step, self.data, "valid",
                               self.config.train.global_eval_batch_size)
@@ -283,12 +323,15 @@ class Loop:
                 "learning_rate": applied_learning_rate(self.state.optimizer, self.step),
                 "tokens_per_sec": tokens / seconds if seconds > 0 else None,
                 "seconds": elapsed})
+        best = self.select(epoch, ppl)  # (after the line above: its rate is the epoch's)
         self.writer.scalars("eval", {"perplexity": ppl, "epoch": epoch + 1}, self.step)
         self.writer.end_epoch(self.state.model, self.step)
         self.last_epoch_batches = int(self.state.batch_in_epoch.numpy())
         self.state.epoch.assign(epoch + 1)
         self.state.batch_in_epoch.assign(0)
         self.carrying = None  # the next epoch starts from zeros
+        if best:  # first: a kill between the two saves repeats the epoch end, both saves
+            self.checkpointer.save_best(self.step)
         self.checkpointer.save(self.step)
 
     def rewind_to_first_bad(self) -> None:

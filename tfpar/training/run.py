@@ -162,15 +162,20 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
     progress = loop_class(config, plugin, data, state, ckpt, writer, train_step,
                           eval_step, train_steps).run()
 
-    metrics = _final_metrics(config, plugin, corpus, vocab, progress, model_dir, state.step)
+    last_step = state.step
+    metrics = _final_metrics(config, plugin, corpus, vocab, progress, model_dir, last_step)
     # Start-up cost, for the corpus-scaling benchmark: when the first step was done (Unix
     # time; None when no step ran), and how long the corpus and the vocabulary took.
     metrics.update(timings, first_step_time=progress.first_step_time)
-    for split in ("valid", "test"):
-        nll, count = evaluate(plugin, eval_step, data, split,
-                              config.train.global_eval_batch_size)
-        metrics[f"{split}_ppl"] = perplexity(nll, count)
-    writer.scalars("eval", {"final_test_perplexity": metrics["test_ppl"]}, state.step)
+    patience = config.train.early_stop
+    metrics["stopped_early"] = bool(patience) and \
+        int(state.selection.stale_epochs.numpy()) >= patience
+    final = metrics["final_weights"] = _final_weights(config, plugin, data, state, ckpt,
+                                                      eval_step)
+    metrics["valid_ppl"] = final["valid_ppl"]  # measured on the weights now in the model
+    nll, count = evaluate(plugin, eval_step, data, "test", config.train.global_eval_batch_size)
+    metrics["test_ppl"] = perplexity(nll, count)
+    writer.scalars("eval", {"final_test_perplexity": metrics["test_ppl"]}, last_step)
     if config.run.export and plugin.is_chief:
         metrics["export_path"] = export.export_model(state.model, vocab, config)
     _report(metrics)
@@ -178,6 +183,37 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
         _write_json(config.run.metrics_json, metrics)
     writer.close()
     return metrics
+
+
+def _final_weights(config: Config, plugin, data: InputData, state, ckpt,
+                   eval_step) -> dict[str, Any]:
+    """Chooses the weights the final evaluation and the export use, and says which.
+
+    ``--final-weights best``: the best epoch-end state by valid perplexity
+    (``<model_dir>/best``) when it beats the last weights' valid perplexity (restored
+    into ``state``); otherwise the last weights, which then become the kept best.
+    ``last``: the last weights. Returns ``{"kind": "best"|"last", "epoch", "step",
+    "valid_ppl"}`` (epoch 0: the last weights are not an epoch end's).
+    """
+    selection = state.selection
+    nll, count = evaluate(plugin, eval_step, data, "valid", config.train.global_eval_batch_size)
+    last_ppl, last_step = perplexity(nll, count), state.step
+    epoch = int(state.epoch.numpy()) if int(state.batch_in_epoch.numpy()) == 0 else 0
+    last = {"kind": "last", "epoch": epoch, "step": last_step, "valid_ppl": last_ppl}
+    if config.run.final_weights != "best":
+        return last
+    best_ppl = float(selection.best_valid_ppl.numpy())
+    if int(selection.best_epoch.numpy()) and int(selection.best_step.numpy()) == last_step:
+        return dict(last, kind="best")  # the last epoch end is the best: kept already
+    if int(selection.best_epoch.numpy()) and best_ppl < last_ppl:
+        best = {"kind": "best", "epoch": int(selection.best_epoch.numpy()),
+                "step": int(selection.best_step.numpy()), "valid_ppl": best_ppl}
+        ckpt.restore_best()
+        log.info("final weights: the best, epoch %d (step %d, valid ppl %.2f; the last "
+                 "weights': %.2f)", best["epoch"], best["step"], best_ppl, last_ppl)
+        return best
+    ckpt.save_best(last_step)  # the last weights are the best: what <model_dir>/best holds
+    return dict(last, kind="best")
 
 
 def _final_metrics(config, plugin, corpus, vocab, progress, model_dir, steps) -> dict[str, Any]:
@@ -210,6 +246,12 @@ def _report(metrics: dict[str, Any]) -> None:
              ("train_ppl", "valid_ppl", "test_ppl", "oracle_valid_ppl", "oracle_test_ppl",
               "unigram_valid_ppl") if isinstance(metrics.get(k), float)]
     log.info("perplexity: %s", ", ".join(parts))
+    final = metrics.get("final_weights")
+    if final:
+        at = f"epoch {final['epoch']}, step {final['step']}" if final["epoch"] else \
+            f"step {final['step']}, mid-epoch"
+        log.info("valid and test of the %s weights (%s)%s", final["kind"], at,
+                 "; training stopped early" if metrics.get("stopped_early") else "")
     if metrics.get("tokens_per_sec"):
         log.info("throughput: %.0f tokens/s over %d steps", metrics["tokens_per_sec"],
                  metrics["steps"])
@@ -220,8 +262,12 @@ def _write_json(path: str, metrics: dict[str, Any]) -> None:
     os.makedirs(directory, exist_ok=True)
     tmp = path + ".tmp"
     # Strict JSON has no NaN or Infinity: a diverged run's perplexities are written as null.
-    metrics = {k: None if isinstance(v, float) and not math.isfinite(v) else v
-               for k, v in metrics.items()}
+    def strict(v):
+        if isinstance(v, dict):
+            return {k: strict(x) for k, x in v.items()}
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+
+    metrics = strict(metrics)
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(metrics, f, indent=2, sort_keys=True, default=_json_default, allow_nan=False)
     os.replace(tmp, path)

@@ -9,16 +9,18 @@ from tfpar.config import Config
 
 
 class EpochSchedule(keras.optimizers.schedules.LearningRateSchedule):
-    """Base LR × decay per epoch past ``decay_after`` × linear warm-up over steps.
+    """Base LR × decay per epoch past ``decay_after`` × linear warm-up over steps ×
+    ``lr_scale`` (the plateau decay's factor, 1 without it).
 
-    The epoch comes from a variable the loop sets, so the schedule needs no knowledge of
-    how many steps an epoch has (bucketed epochs vary), and it is checkpointed.
+    The epoch and the factor come from variables the loop sets, so the schedule needs no
+    knowledge of how many steps an epoch has (bucketed epochs vary), and they are
+    checkpointed.
     """
 
     def __init__(self, base_lr: float, decay: float, decay_after: int, warmup_steps: int,
-                 epoch: tf.Variable):
+                 epoch: tf.Variable, lr_scale: tf.Variable | None = None):
         self.base_lr, self.decay, self.decay_after = base_lr, decay, decay_after
-        self.warmup_steps, self.epoch = warmup_steps, epoch
+        self.warmup_steps, self.epoch, self.lr_scale = warmup_steps, epoch, lr_scale
 
     def __call__(self, step):
         epoch = tf.cast(self.epoch, tf.float32)
@@ -27,6 +29,8 @@ class EpochSchedule(keras.optimizers.schedules.LearningRateSchedule):
         if self.warmup_steps:
             warm = tf.minimum(1.0, (tf.cast(step, tf.float32) + 1.0) / self.warmup_steps)
             lr = lr * warm
+        if self.lr_scale is not None:
+            lr = lr * tf.cast(self.lr_scale, tf.float32)
         return lr
 
     def get_config(self):
@@ -61,10 +65,10 @@ def base_learning_rate(config: Config, num_replicas: int) -> float:
 def optimizer_factory(config: Config, num_replicas: int):
     """``make_optimizer(epoch_variable)`` for :func:`tfpar.training.state.build_train_state`."""
 
-    def make(epoch: tf.Variable) -> keras.optimizers.Optimizer:
+    def make(epoch: tf.Variable, lr_scale: tf.Variable) -> keras.optimizers.Optimizer:
         schedule = EpochSchedule(base_learning_rate(config, num_replicas),
                                  config.train.lr_decay, config.train.decay_after,
-                                 config.train.warmup_steps, epoch)
+                                 config.train.warmup_steps, epoch, lr_scale)
         decay = config.train.weight_decay or None
         if config.train.optimizer == "sgd":
             return keras.optimizers.SGD(learning_rate=schedule, weight_decay=decay)

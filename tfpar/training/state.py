@@ -13,6 +13,9 @@ strategy's scope, so the variables land where the strategy wants them. A checkpo
     optimizer/...         the optimizer's step count (and its slots again)
     epoch                 epochs finished
     batch_in_epoch        batches of the current epoch consumed (trained or skipped)
+    selection/...         model selection by valid perplexity (:class:`Selection`): the
+                          best so far, its epoch and step, epochs since, and the
+                          learning-rate factor --lr-decay-on-plateau has reached
     (no RNG state: dropout masks are a function of the step, tfpar.model.noise)
     carry/rnn_<i>:<k>     stream mode: the recurrent state the next window starts from,
                           [global batch, hidden] (k: 0 = h, 1 = c for LSTMs), so a run
@@ -32,8 +35,24 @@ import tensorflow as tf
 from tfpar.config import ModelConfig
 from tfpar.model.lm import RNNLanguageModel, build_model
 
-# make_optimizer(epoch variable) -> a Keras optimizer (the schedule may read the epoch).
-OptimizerFactory = Callable[[tf.Variable], keras.optimizers.Optimizer]
+# make_optimizer(epoch variable, lr_scale variable) -> a Keras optimizer (the schedule may
+# read the epoch and the plateau decay's factor).
+OptimizerFactory = Callable[[tf.Variable, tf.Variable], keras.optimizers.Optimizer]
+
+
+@dataclasses.dataclass
+class Selection:
+    """Model selection by valid perplexity, checkpointed with the rest of the state, so a
+    resumed run keeps its best, its patience and its decayed rate."""
+
+    best_valid_ppl: tf.Variable  # float64 scalar: the best epoch-end valid ppl (inf: none)
+    best_epoch: tf.Variable  # int64 scalar: the epoch (1-based) that reached it (0: none)
+    best_step: tf.Variable  # int64 scalar: the step it ended at
+    stale_epochs: tf.Variable  # int64 scalar: epochs ended since, without improvement
+    lr_scale: tf.Variable  # float32 scalar: --lr-decay-on-plateau's factor so far
+
+    def variables(self) -> dict[str, tf.Variable]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 @dataclasses.dataclass
@@ -47,6 +66,7 @@ class TrainState:
     # Stream mode: the carried state, one [B, H] variable per layer and state part
     # (empty in sentence mode). Written just before each checkpoint (the loop does).
     carry: list[list[tf.Variable]] = dataclasses.field(default_factory=list)
+    selection: Selection | None = None
 
     @property
     def step(self) -> int:
@@ -59,6 +79,8 @@ class TrainState:
         # objects is saved under the first path TF's breadth-first walk finds.
         out = {"layers": named_weights(self.model), "model": self.model, "epoch": self.epoch,
                "batch_in_epoch": self.batch_in_epoch}
+        if self.selection is not None:
+            out["selection"] = self.selection.variables()
         if self.carry:
             out["carry"] = {f"rnn_{i}:{k}": v for i, layer in enumerate(self.carry)
                             for k, v in enumerate(layer)}
@@ -134,9 +156,15 @@ def build_train_state(scope: contextlib.AbstractContextManager, model_config: Mo
             model.set_weights(initial_weights)
         epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="epoch")
         batch_in_epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="batch_in_epoch")
+        selection = Selection(
+            tf.Variable(np.inf, dtype=tf.float64, trainable=False, name="best_valid_ppl"),
+            tf.Variable(0, dtype=tf.int64, trainable=False, name="best_epoch"),
+            tf.Variable(0, dtype=tf.int64, trainable=False, name="best_step"),
+            tf.Variable(0, dtype=tf.int64, trainable=False, name="stale_epochs"),
+            tf.Variable(1.0, dtype=tf.float32, trainable=False, name="lr_scale"))
         optimizer = None
         if make_optimizer is not None:
-            optimizer = make_optimizer(epoch)
+            optimizer = make_optimizer(epoch, selection.lr_scale)
             optimizer.build(model.trainable_variables)
     # Plain host variables, outside the strategy: they hold the global batch's state.
     with tf.device("/cpu:0"):
@@ -144,4 +172,4 @@ def build_train_state(scope: contextlib.AbstractContextManager, model_config: Mo
                               trainable=False, name=f"carry_{i}_{k}")
                   for k in range(model.state_size)]
                  for i in range(model_config.layers)] if carry_rows else []
-    return TrainState(model, optimizer, epoch, batch_in_epoch, carry)
+    return TrainState(model, optimizer, epoch, batch_in_epoch, carry, selection)

@@ -192,7 +192,7 @@ def build_tfpar(setup: Setup, name: str, dist, *, precision: str | None = None,
     state = build_train_state(plugin.scope(), model_config(model_spec, precision),
                               len(setup.vocab),
                               seed=spec.seed,
-                              make_optimizer=lambda epoch: _optimizer(spec.optimizer))
+                              make_optimizer=lambda epoch, lr_scale: _optimizer(spec.optimizer))
     train_step = plugin.make_train_step(state.model, state.optimizer, clip_norm=5.0)
     data = setup.stream_data
     batches = iter(plugin.distribute(
