@@ -141,3 +141,14 @@ def test_bad_selection_flags_are_one_line(flags, message, tiny_corpus_dir, tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(message), err
     assert not (tmp_path / "run").exists()
+
+
+def test_no_best_checkpoint_to_restore_is_one_line(tmp_path):
+    from tfpar.errors import CheckpointError
+    from tfpar.training.checkpoints import Checkpointer
+
+    ckpt = Checkpointer(str(tmp_path / "run"), True, 1, step=tf.Variable(0))
+    with pytest.raises(CheckpointError) as e:
+        ckpt.restore_best()
+    assert str(e.value) == (f"no best checkpoint in {tmp_path / 'run' / 'best'}; run with "
+                            "--final-weights last")
