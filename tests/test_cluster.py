@@ -338,3 +338,55 @@ def test_a_lost_parameter_server_worker_is_started_again_alone(tmp_path):
     out = io.StringIO()  # without restarts for a single task, its loss ends the job
     assert run_job(lambda: plan, python_tasks(scripts), out=out, task_restarts=0) == 1
     assert "[launch] worker 0 exited with status 1; stopping the job" in out.getvalue()
+
+
+# ----------------------------------------------------------------------------- Slurm
+def slurm_env(procid, nodelist="node[1-2]", tasks_per_node="2(x2)", tasks=4, **extra):
+    return {"SLURM_PROCID": str(procid), "SLURM_STEP_NUM_TASKS": str(tasks),
+            "SLURM_STEP_NODELIST": nodelist, "SLURM_STEP_TASKS_PER_NODE": tasks_per_node,
+            "CUDA_VISIBLE_DEVICES": "", **extra}
+
+
+@pytest.mark.parametrize("procid,task", [(0, 0), (3, 3)])
+def test_a_slurm_task_without_tf_config_gets_the_cluster_of_its_step(procid, task,
+                                                                      monkeypatch):
+    """srun's variables for 4 tasks on node1 and node2, 2 each (CPU nodes): one worker a
+    task, a node's second task on the next port; written to TF_CONFIG for TensorFlow."""
+    monkeypatch.setenv("TF_CONFIG", "")  # unset for tfpar; restored after the test
+    env = slurm_env(procid)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    config = require_cluster("multi_worker")
+    assert config.cluster == {"worker": ("node1:8888", "node1:8889", "node2:8888",
+                                         "node2:8889")}
+    assert (config.task_type, config.task_index) == ("worker", task)
+    assert parse_tf_config(os.environ["TF_CONFIG"]) == config
+    monkeypatch.setenv("TFPAR_SLURM_PORT_BASE", "7000")
+    monkeypatch.setenv("TF_CONFIG", "")
+    assert require_cluster("multi_worker").cluster["worker"][1] == "node1:7001"
+
+
+@pytest.mark.parametrize("env,strategy,message", [
+    (slurm_env(0), "parameter_server", "--strategy parameter_server under Slurm needs "
+     "TF_CONFIG (chief, worker and ps roles); only multi_worker builds its cluster from srun"),
+    (slurm_env(0, TFPAR_SLURM_PORT_BASE="x"), "multi_worker",
+     "TFPAR_SLURM_PORT_BASE 'x' is not a port number"),
+    (slurm_env(0, tasks=5), "multi_worker", "cannot lay out the Slurm job step as a cluster: "
+     "Requested 5 tasks but only 4 were assigned."),
+])
+def test_slurm_steps_that_cannot_be_a_cluster_are_one_line(env, strategy, message,
+                                                           monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", "")  # unset for tfpar; restored after the test
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ClusterError) as e:
+        require_cluster(strategy)
+    assert str(e.value) == message
+    assert os.environ["TF_CONFIG"] == ""
+
+
+def test_outside_slurm_a_missing_tf_config_is_still_an_error(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", "")  # unset for tfpar; restored after the test
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    with pytest.raises(ClusterError, match="needs a cluster, but TF_CONFIG is not set"):
+        require_cluster("multi_worker")

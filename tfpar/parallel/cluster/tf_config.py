@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import logging
 import os
 import socket
 from typing import Mapping, Sequence
@@ -168,10 +169,26 @@ def check_jobs(config: ClusterConfig, strategy: str) -> None:
 def require_cluster(strategy: str, environ: Mapping[str, str] | None = None) -> ClusterConfig:
     """The checked ``TF_CONFIG`` of this process for a cluster strategy.
 
+    Without ``TF_CONFIG``, a task of a Slurm job step (``srun``) gets the cluster of the
+    step (:mod:`tfpar.parallel.cluster.slurm`), written to this process's ``TF_CONFIG``
+    (where TensorFlow's strategies read it).
+
     Raises:
-      ClusterError: ``TF_CONFIG`` is unset or wrong for ``strategy``.
+      ClusterError: ``TF_CONFIG`` is unset (outside Slurm) or wrong for ``strategy``.
     """
-    text = (os.environ if environ is None else environ).get("TF_CONFIG", "").strip()
+    env = os.environ if environ is None else environ
+    text = env.get("TF_CONFIG", "").strip()
+    if not text:
+        from tfpar.parallel.cluster import slurm
+
+        if slurm.in_slurm_step(env):
+            text = tf_config_json(*slurm.slurm_cluster(strategy, env))
+            os.environ["TF_CONFIG"] = text
+            config = parse_tf_config(text)
+            logging.getLogger(__name__).info(
+                "cluster from the Slurm job step: %s %d of %s", config.task_type,
+                config.task_index, ", ".join(f"{len(a)} {job}" for job, a in
+                                             config.cluster.items()))
     if not text:
         raise ClusterError(
             f"--strategy {strategy} needs a cluster, but TF_CONFIG is not set; start one on "
