@@ -164,9 +164,9 @@ def iterations(tmp_path) -> int:
 @pytest.mark.cluster
 def test_a_killed_worker_is_restarted_and_the_run_completes(tmp_path):
     """Trained from a folder of 4 train shards, 2 for each worker. The kill comes once
-    the first checkpoint (step 5) exists, 95 steps before the end: far more than the
-    50 ms between two polls of the state file, however fast the steps run."""
-    max_steps, every = 100, 5
+    the first checkpoint (step 5) exists, 55 steps before the end: a second or more of
+    2-worker steps, against 50 ms between two polls of the state file."""
+    max_steps, every = 60, 5
     shards = write_sharded_corpus(tmp_path / "corpus")
     job = Launched(tmp_path, ["--workers", "2", "--restarts", "1"],
                    small_run(tmp_path, "multi_worker", max_steps, every, data=shards))

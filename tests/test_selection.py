@@ -115,18 +115,20 @@ def test_last_weights_and_a_resume_keeps_the_selection(tiny_corpus_dir, tmp_path
     assert int(latest["selection/stale_epochs/.ATTRIBUTES/VARIABLE_VALUE"]) == 3
 
 
-def test_mid_epoch_last_weights_that_beat_the_best_become_it(tiny_corpus_dir, tmp_path,
-                                                              monkeypatch):
+def test_mid_epoch_last_weights_that_beat_the_best_are_used(tiny_corpus_dir, tmp_path,
+                                                             monkeypatch):
     """Epoch 1 scripted at 100 000 (worse than anything): the last weights, 2 steps into
-    epoch 2, are better, so they are used and kept as the best."""
+    epoch 2, are better, so they are used; the kept best stays epoch 1's."""
     monkeypatch.setattr(loop, "evaluate", lambda *a: (float(np.log(1e5)) * 1000.0, 1000.0))
     assert train_main(run_args(tiny_corpus_dir, tmp_path, "--epochs", "2", "--max-steps", "5",
                                "--no-export")) == 0
     m = json.loads((tmp_path / "m.json").read_text())
-    assert m["final_weights"]["kind"] == "best" and m["final_weights"]["step"] == 5
+    assert m["final_weights"]["kind"] == "last" and m["final_weights"]["step"] == 5
     assert m["final_weights"]["epoch"] == 0  # not an epoch end
+    assert m["final_weights"]["valid_ppl"] == pytest.approx(m["valid_ppl"])
+    assert m["valid_ppl"] < 1e5
     best = best_tensors(tmp_path)
-    assert int(best["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"]) == 5
+    assert int(best["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"]) == 3
 
 
 @pytest.mark.parametrize("flags,message", [

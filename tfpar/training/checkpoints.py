@@ -298,9 +298,8 @@ class Checkpointer:
         return os.path.join(os.path.dirname(self.directory), BEST)
 
     def save_best(self, step: int) -> None:
-        """The state at ``step`` (an epoch end with the best valid perplexity so far, or
-        the final weights when they are better) as ``<model_dir>/best/ckpt-<step>``, the
-        previous best deleted."""
+        """The state at ``step``, an epoch end with the best valid perplexity so far, as
+        ``<model_dir>/best/ckpt-<step>``, the previous best deleted."""
         self.before_save()
         self._write(tf.train.CheckpointManager(self.checkpoint, self.best_directory, 1), step)
 

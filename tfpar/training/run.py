@@ -191,9 +191,10 @@ def _final_weights(config: Config, plugin, data: InputData, state, ckpt,
 
     ``--final-weights best``: the best epoch-end state by valid perplexity
     (``<model_dir>/best``) when it beats the last weights' valid perplexity (restored
-    into ``state``); otherwise the last weights, which then become the kept best.
-    ``last``: the last weights. Returns ``{"kind": "best"|"last", "epoch", "step",
-    "valid_ppl"}`` (epoch 0: the last weights are not an epoch end's).
+    into ``state``); otherwise the last weights (the latest checkpoint). ``last``: the
+    last weights. Returns ``{"kind": "best"|"last", "epoch", "step", "valid_ppl"}``:
+    "best" when the weights are the kept best epoch's (epoch 0: the last weights are
+    not an epoch end's).
     """
     selection = state.selection
     nll, count = evaluate(plugin, eval_step, data, "valid", config.train.global_eval_batch_size)
@@ -212,8 +213,7 @@ def _final_weights(config: Config, plugin, data: InputData, state, ckpt,
         log.info("final weights: the best, epoch %d (step %d, valid ppl %.2f; the last "
                  "weights': %.2f)", best["epoch"], best["step"], best_ppl, last_ppl)
         return best
-    ckpt.save_best(last_step)  # the last weights are the best: what <model_dir>/best holds
-    return dict(last, kind="best")
+    return last
 
 
 def _final_metrics(config, plugin, corpus, vocab, progress, model_dir, steps) -> dict[str, Any]:
