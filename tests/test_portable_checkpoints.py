@@ -42,7 +42,7 @@ def weights(model_dir):
 # The runs that never moved checkpoint every LEG steps, so a moved run can be compared
 # with one at every step it changes strategy at; one per mode, as long as the longest run.
 LEG, TAIL = 12, 50
-LONGEST = {"sentence": 3 * LEG + TAIL, "stream": 2 * LEG + TAIL}
+LONGEST = {"sentence": LEG + TAIL, "stream": 2 * LEG + TAIL}
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +77,12 @@ def tensors_at(model_dir, step):
 
 # A chain of moves in one model dir: LEG steps under each strategy, then TAIL (50) steps
 # under the last one, so every move is followed by at least 50 steps for a small
-# difference to grow. Moves covered: sentence mirrored:2 -> tower:3 -> pipeline ->
-# parallel_do:2; stream pipeline -> mirrored:2 -> tower:3. (One chain instead of one
-# case per move: the moves are the same, the runs from scratch to the first move are
-# shared.)
+# difference to grow. Moves covered: sentence mirrored:2 -> parallel_do:2; stream
+# pipeline -> mirrored:2 -> tower:3 (and the fault tool's matrix test: mirrored:2 ->
+# tower:3 in stream mode). (One chain instead of one case per move: the moves are the
+# same, the runs from scratch to the first move are shared.)
 @pytest.mark.parametrize("mode,chain", [
-    ("sentence", ["mirrored:2", "tower:3", "pipeline", "parallel_do:2"]),
+    ("sentence", ["mirrored:2", "parallel_do:2"]),
     ("stream", ["pipeline", "mirrored:2", "tower:3"]),
 ], ids=lambda value: "-".join(value) if isinstance(value, list) else value)
 def test_a_checkpoint_moves_between_strategies(mode, chain, tiny_corpus_dir, still, tmp_path,
