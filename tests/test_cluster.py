@@ -174,8 +174,9 @@ def test_gpus_per_task_gives_each_computing_task_its_own(strategy, kwargs, per_t
                      gpus_per_task=per_task, task_restarts=0)
     lines = out.getvalue().splitlines()
     got = {line[1:].split("]")[0]: line.split("gpus=")[1] for line in lines if "gpus=" in line}
-    assert got and all(want[task] == gpus for task, gpus in got.items()), lines
-    assert "worker 0" in got or "chief 0" in got
+    assert all(want[task] == gpus for task, gpus in got.items()), lines
+    if strategy == "multi_worker":  # every task finishes: every print is read
+        assert got == want, lines
     if per_task:
         launched = {m.group(1): m.group(2) for m in
                     map(re.compile(r"\[launch\] started (\w+ \d) \(pid \d+\) at \S+, GPUs "
