@@ -36,11 +36,11 @@ def train_losses(model_dir):
     return [(step, float(v)) for step, v, _ in read_events(model_dir / "train")["loss"]]
 
 
-# Sentence mode under default, stream mode under the pipeline (its carried state is cut
-# into micro-batches and joined back inside the loop); the multi-step loop is one
-# function for every strategy, and mirrored's and tower's steps are compared with
-# default's in the equivalence tests.
-@pytest.mark.parametrize("strategy,mode", [("default", "sentence"), ("pipeline", "stream")])
+# Each mode under default or a strategy that carries stream state (one case per pair
+# would repeat the same calls: the multi-step loop is one function for every strategy).
+@pytest.mark.parametrize("strategy,mode", [
+    ("default", "sentence"), ("mirrored", "stream"), ("tower", "sentence"),
+    ("pipeline", "stream")])
 def test_ten_steps_per_call_train_exactly_what_one_per_call_does(
         strategy, mode, module_tiny_corpus, tmp_path):
     """20 steps (an epoch end inside a call, checkpoints every 7 steps cutting calls,
