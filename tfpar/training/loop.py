@@ -86,7 +86,10 @@ class Loop:
         self.first_bad = (0, None)  # position and state of the first of bad_in_a_row
         self.epoch_began = (time.perf_counter(), Progress())  # for the epoch's log line
         self.started, self.timed_out = time.monotonic(), False  # for --time-limit
-        self.stopped_early = False  # --early-stop ended training (logged once)
+        # --early-stop: set (and logged) at an epoch end, or here when a resumed run's
+        # checkpoint had reached the patience already; read by done() at every step.
+        self.stopped_early = False
+        self.check_early_stop()
         checkpointer.before_save = self.store_carry
         self.stop_signal = StopSignal()
         self.bar = ProgressHook() if config.run.progress else None
@@ -105,7 +108,7 @@ class Loop:
         max_steps = self.config.train.max_steps
         if max_steps and self.step >= max_steps:
             return True
-        if self.early_stopped():
+        if self.stopped_early:
             return True
         limit = self.config.train.time_limit
         if limit and time.monotonic() - self.started >= 60.0 * limit:
@@ -268,18 +271,18 @@ class Loop:
             for hook in self.hooks:
                 hook(r)
 
-    def early_stopped(self) -> bool:
+    def check_early_stop(self) -> None:
+        """Sets ``stopped_early`` once --early-stop epochs in a row ended without a better
+        valid perplexity (the selection changes only at epoch ends)."""
         patience = self.config.train.early_stop
         selection = self.state.selection
-        if not (patience and selection is not None
-                and int(selection.stale_epochs.numpy()) >= patience):
-            return False
-        if not self.stopped_early:
-            log.info("--early-stop %d: %d epochs without a better valid perplexity than "
-                     "%.2f (epoch %d); stopping training", patience, patience,
-                     float(selection.best_valid_ppl.numpy()), int(selection.best_epoch.numpy()))
-            self.stopped_early = True
-        return True
+        if self.stopped_early or not (patience and selection is not None and
+                                      int(selection.stale_epochs.numpy()) >= patience):
+            return
+        log.info("--early-stop %d: %d epochs without a better valid perplexity than "
+                 "%.2f (epoch %d); stopping training", patience, patience,
+                 float(selection.best_valid_ppl.numpy()), int(selection.best_epoch.numpy()))
+        self.stopped_early = True
 
     def select(self, epoch: int, ppl: float) -> bool:
         """Epoch ``epoch``'s valid perplexity against the best so far: a better one is the
@@ -324,6 +327,7 @@ class Loop:
                 "tokens_per_sec": tokens / seconds if seconds > 0 else None,
                 "seconds": elapsed})
         best = self.select(epoch, ppl)  # (after the line above: its rate is the epoch's)
+        self.check_early_stop()
         self.writer.scalars("eval", {"perplexity": ppl, "epoch": epoch + 1}, self.step)
         self.writer.end_epoch(self.state.model, self.step)
         self.last_epoch_batches = int(self.state.batch_in_epoch.numpy())

@@ -159,17 +159,16 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
         plugin.make_train_steps(state.model, state.optimizer, clip_norm=config.train.clip_norm)
         if config.train.steps_per_execution > 1 else None,
         lambda: state.step + 1, config.run.profile_steps)
-    progress = loop_class(config, plugin, data, state, ckpt, writer, train_step,
-                          eval_step, train_steps).run()
+    loop = loop_class(config, plugin, data, state, ckpt, writer, train_step, eval_step,
+                      train_steps)
+    progress = loop.run()
 
     last_step = state.step
     metrics = _final_metrics(config, plugin, corpus, vocab, progress, model_dir, last_step)
     # Start-up cost, for the corpus-scaling benchmark: when the first step was done (Unix
     # time; None when no step ran), and how long the corpus and the vocabulary took.
     metrics.update(timings, first_step_time=progress.first_step_time)
-    patience = config.train.early_stop
-    metrics["stopped_early"] = bool(patience) and \
-        int(state.selection.stale_epochs.numpy()) >= patience
+    metrics["stopped_early"] = loop.stopped_early
     final = metrics["final_weights"] = _final_weights(config, plugin, data, state, ckpt,
                                                       eval_step)
     metrics["valid_ppl"] = final["valid_ppl"]  # measured on the weights now in the model
@@ -203,15 +202,17 @@ def _final_weights(config: Config, plugin, data: InputData, state, ckpt,
     last = {"kind": "last", "epoch": epoch, "step": last_step, "valid_ppl": last_ppl}
     if config.run.final_weights != "best":
         return last
-    best_ppl = float(selection.best_valid_ppl.numpy())
-    if int(selection.best_epoch.numpy()) and int(selection.best_step.numpy()) == last_step:
+    best = {"kind": "best", "epoch": int(selection.best_epoch.numpy()),
+            "step": int(selection.best_step.numpy()),
+            "valid_ppl": float(selection.best_valid_ppl.numpy())}
+    if not best["epoch"]:  # no epoch has ended
+        return last
+    if best["step"] == last_step:
         return dict(last, kind="best")  # the last epoch end is the best: kept already
-    if int(selection.best_epoch.numpy()) and best_ppl < last_ppl:
-        best = {"kind": "best", "epoch": int(selection.best_epoch.numpy()),
-                "step": int(selection.best_step.numpy()), "valid_ppl": best_ppl}
+    if best["valid_ppl"] < last_ppl:
         ckpt.restore_best()
         log.info("final weights: the best, epoch %d (step %d, valid ppl %.2f; the last "
-                 "weights': %.2f)", best["epoch"], best["step"], best_ppl, last_ppl)
+                 "weights': %.2f)", best["epoch"], best["step"], best["valid_ppl"], last_ppl)
         return best
     return last
 
