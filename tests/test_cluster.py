@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tfpar.parallel.cluster.tf_config import (PortReservation, check_jobs, check_port_free,
-                                              free_ports, parse_tf_config, require_cluster)
+                                              parse_tf_config, require_cluster)
 from tfpar.parallel.cluster.local_job import flag_value, plan_job, run_job, train_args_for_cluster
 from tfpar.errors import ClusterError
 
@@ -101,11 +101,11 @@ def test_a_port_in_use_is_reported(listening_port):
         check_port_free(f"127.0.0.1:{listening_port}", what="worker 1")
 
 
-def test_free_ports_are_distinct_and_bindable():
-    ports = free_ports(5)
-    assert len(set(ports)) == 5
-    for port in ports:
-        check_port_free(f"127.0.0.1:{port}")
+def test_reserved_ports_are_distinct_and_pass_a_tasks_check():
+    with PortReservation(5) as reserved:
+        assert len(set(reserved.ports)) == 5
+        for port in reserved.ports:
+            check_port_free(f"127.0.0.1:{port}")
 
 
 def plain_bind_refused(port: int) -> bool:
@@ -193,7 +193,8 @@ def test_a_reservation_is_a_context_manager():
 
 # ----------------------------------------------------------------------------- plans
 def test_multi_worker_plan_has_workers_only():
-    plan = plan_job("multi_worker", workers=3, ports=free_ports(3))
+    with PortReservation(3) as reserved:
+        plan = plan_job("multi_worker", workers=3, ports=reserved.ports)
     assert [t.name for t in plan.tasks] == ["worker 0", "worker 1", "worker 2"]
     assert all(t.finishes for t in plan.tasks)
     assert list(plan.cluster) == ["worker"]
@@ -230,7 +231,8 @@ def test_bad_plans_are_refused(kwargs, message):
 
 def test_a_given_port_that_is_taken_is_refused(listening_port):
     with pytest.raises(ClusterError, match=f"port {listening_port} of worker 1 .* already in use"):
-        plan_job("multi_worker", workers=2, ports=[free_ports(1)[0], listening_port])
+        with PortReservation(1) as reserved:
+            plan_job("multi_worker", workers=2, ports=[reserved.ports[0], listening_port])
 
 
 def test_train_args_get_one_shared_model_dir():

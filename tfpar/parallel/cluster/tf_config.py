@@ -261,10 +261,3 @@ class PortReservation:
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-
-def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
-    """``count`` distinct ports that are free on ``host`` right now, not held: another
-    program may take one before it is used. A job uses a :class:`PortReservation`."""
-    with PortReservation(count, host) as reserved:
-        return reserved.ports
