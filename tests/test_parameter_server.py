@@ -115,6 +115,9 @@ def test_sharded_gradients_and_updates_match_unsharded_ones(tmp_path):
                                                    "training process"),
     (Config(train=TrainConfig(weight_decay=0.01)), "--weight-decay 0.01: parameter_server "
                                                    "updates variables one by one"),
+    (Config(model=ModelConfig(precision="mixed_float16")), "--precision mixed_float16: "
+     "parameter_server updates variables one by one with the optimizer's update_step, which "
+     "has no loss scaling; use --precision mixed_bfloat16"),
     (Config(train=TrainConfig(steps_per_execution=4)), "--steps-per-execution 4: "
      "parameter_server schedules every step on a worker without waiting for it already; "
      "use --steps-per-execution 1"),

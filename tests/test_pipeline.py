@@ -16,7 +16,7 @@ import tensorflow as tf
 from conftest import PINNED, REPO, batch_of, make_lines, max_diff, slots_of
 from equivalence import assert_equivalent, make_setup, run_with_state
 from tfpar.tools import cli
-from tfpar.config import DataConfig, DistConfig, ModelConfig
+from tfpar.config import Config, DataConfig, DistConfig, ModelConfig
 from tfpar.errors import ConfigError, DeviceError
 from tfpar.data.pipeline import InputData
 from tfpar.model.lm import build_model
@@ -346,6 +346,25 @@ def test_default_stages_split_the_model_over_two_cpus():
     one_gpu = Placement(compute=["/device:GPU:0"], host=CPU[0])
     assert [s.parts for s in one_gpu.stages(2)] == [("embedding",),
                                                     ("rnn_0", "rnn_1", "softmax")]
+
+
+def test_a_tied_embedding_stays_with_the_softmax_on_accelerators():
+    """The default rule with GPUs: a tied embedding is the softmax's matrix, so it goes on
+    the softmax's GPU, not the host CPU; the plug-in learns the tie from the run's config
+    before any variable is made. On CPUs the rule is unchanged."""
+    gpus = ["/device:GPU:0", "/device:GPU:1"]
+    plugin = PipelinePlugin(Placement(compute=gpus, host=CPU[0]), 2)
+    plugin.check_config(Config(model=ModelConfig(tie_embeddings=True)))
+    assert plugin.placement.stages(2) == [Stage(0, gpus[1], ("embedding",)),
+                                          Stage(1, gpus[0], ("rnn_0",)),
+                                          Stage(2, gpus[1], ("rnn_1", "softmax"))]
+    assert plugin.devices == gpus
+    untied = PipelinePlugin(Placement(compute=gpus, host=CPU[0]), 2)
+    untied.check_config(Config())
+    assert untied.placement.device_of("embedding") == CPU[0]
+    cpus = build_strategy(DistConfig(strategy="pipeline"))
+    cpus.check_config(Config(model=ModelConfig(tie_embeddings=True)))
+    assert cpus.placement.stages(2)[0] == Stage(0, CPU[0], ("embedding", "rnn_0"))
 
 
 def test_stages_group_consecutive_parts_and_may_revisit_a_device():

@@ -100,3 +100,28 @@ def test_a_non_positive_steps_per_execution_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == "error: steps-per-execution must be > 0, got 0"
     assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_the_default_is_one_step_per_call_on_cpus_and_more_on_gpus():
+    """--steps-per-execution unset: 1 where the strategy trains on CPUs, the GPU default
+    where it computes on GPUs (device lists patched); a value given is kept; the
+    asynchronous coordinator keeps 1 (it schedules steps one by one)."""
+    import types
+
+    from tfpar.config import Config, DistConfig, TrainConfig
+    from tfpar.training import run
+
+    def resolved(devices, strategy="mirrored", given=None):
+        config = Config(dist=DistConfig(strategy=strategy),
+                        train=TrainConfig(steps_per_execution=given))
+        plugin = types.SimpleNamespace(devices=devices)
+        return run.steps_per_execution(config, plugin).train.steps_per_execution
+
+    gpus = ["/job:localhost/replica:0/task:0/device:GPU:0", "/device:GPU:1"]
+    assert resolved(["/device:CPU:0", "/device:CPU:1"]) == 1
+    assert resolved(gpus) == run.GPU_STEPS_PER_EXECUTION > 1
+    assert resolved(gpus[:1]) == run.GPU_STEPS_PER_EXECUTION
+    assert resolved(gpus, given=1) == 1
+    # A pipeline on GPUs with its embedding on the host CPU.
+    assert resolved(["/device:CPU:0"] + gpus) == run.GPU_STEPS_PER_EXECUTION
+    assert resolved(gpus, strategy="parameter_server") == 1

@@ -18,7 +18,9 @@ from tfpar.errors import ConfigError
 MODES = ("sentence", "stream")
 LONG_SENTENCES = ("split", "truncate")
 CELLS = ("lstm", "gru")
-PRECISIONS = ("fp32", "bf16")
+# Keras mixed-precision policies (tfpar.model.precision) and the CPU bf16 matmul option.
+MIXED_PRECISIONS = ("mixed_bfloat16", "mixed_float16")
+PRECISIONS = ("fp32", "bf16", *MIXED_PRECISIONS)
 OPTIMIZERS = ("sgd", "adam", "adagrad")
 SOFTMAXES = ("full", "sampled")
 # --num-sampled when --softmax sampled does not give it (Jozefowicz et al. 2016: 8192).
@@ -186,9 +188,11 @@ class ModelConfig:
     tie_embeddings: bool = False
     # Initialise every weight uniformly in [-init_scale, init_scale] (0: Keras defaults).
     init_scale: float = 0.0
-    # "fp32", or "bf16": the large matmuls (the RNN input projections and their weight
+    # "fp32"; "bf16": the large matmuls (the RNN input projections and their weight
     # gradients, the softmax) run in bfloat16 on float32 weights; recurrent state, loss
-    # and optimizer stay float32. Pays off on CPUs with AMX/AVX512-BF16.
+    # and optimizer stay float32 (pays off on CPUs with AMX/AVX512-BF16); or a Keras
+    # mixed-precision policy, "mixed_bfloat16" or "mixed_float16" (with loss scaling):
+    # see tfpar.model.precision.
     precision: str = "fp32"
     # The training loss: "full" (every word's logit) or "sampled" (tf.nn.sampled_softmax_loss
     # over each target and num_sampled log-uniform candidates shared by the whole global
@@ -278,8 +282,10 @@ class TrainConfig:
     # export as at the end; a run resumed later gets the limit anew.
     time_limit: float = 0.0
     # Training steps per tf.function call (a loop over the input iterator inside the
-    # graph, no host round trip between them); 1: one step per call.
-    steps_per_execution: int = 1
+    # graph, no host round trip between them); 1: one step per call. None: chosen by the
+    # run from where it trains (tfpar.training.run.steps_per_execution: 1 on CPUs, more
+    # on GPUs, whose short steps the host's per-call overhead would otherwise slow).
+    steps_per_execution: int | None = None
     # Stop training after this many epochs in a row without a better valid perplexity
     # (0: never).
     early_stop: int = 0
@@ -289,7 +295,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
-        _positive("steps-per-execution", self.steps_per_execution)
+        if self.steps_per_execution is not None:
+            _positive("steps-per-execution", self.steps_per_execution)
         _choice("scale-lr", self.scale_lr, SCALE_LR)
         _choice("on-nan", self.on_nan, ON_NAN)
         _non_negative("nan-patience", self.nan_patience)
@@ -460,4 +467,9 @@ def resume_conflicts(stored: Config, requested: Config) -> list[str]:
         new = getattr(getattr(requested, section), field)
         if old != new:
             conflicts.append(f"{section}.{field}: checkpoint has {old!r}, this run asks for {new!r}")
+    # Loss scaling wraps the optimizer (its slots are checkpointed under the wrapper).
+    old, new = stored.model.precision, requested.model.precision
+    if (old == "mixed_float16") != (new == "mixed_float16"):
+        conflicts.append(f"model.precision: checkpoint has {old!r}, this run asks for {new!r} "
+                         "(only mixed_float16 scales its loss)")
     return conflicts

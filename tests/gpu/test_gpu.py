@@ -7,6 +7,7 @@ wants to see: the devices, the verify table, tokens/s of cuDNN against the fast 
 recurrence placed on the same GPU.
 """
 
+import dataclasses
 import json
 import time
 
@@ -96,6 +97,41 @@ def test_verify_parallel_passes_on_the_gpus_with_tf32_off(capsys):
     out = capsys.readouterr().out
     print(out)
     assert code == 0, out
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_trains_on_the_gpus_with_cudnn_in_16_bits(tmp_path, policy):
+    """The policy's cuDNN kernel runs in the 16-bit type; mirrored over every GPU trains
+    (mixed_float16 with loss scaling: its skipped steps are reported, not bad batches);
+    verify with the policy's tolerance."""
+    from tfpar.tools import verify
+
+    config = dataclasses.replace(MODEL, precision=policy)
+    with tf.device("/gpu:0"):
+        model = build_model(config, V, seed=0)
+    inputs, targets = batch()
+    step = train_step_graph(model, inputs, targets)
+    graph = step.get_concrete_function().graph
+    low = tf.as_dtype(policy.removeprefix("mixed_"))
+    assert any(op.type == "CudnnRNNV3" and op.get_attr("T") == low
+               for op in graph.get_operations())
+    metrics = tmp_path / "m.json"
+    assert train_main(["--strategy", "mirrored", "--precision", policy,
+                       "--synthetic-sentences", "400,40,40", *PINNED, "--max-steps", "20",
+                       "--no-progress", "--no-export", "--model-dir", str(tmp_path / "run"),
+                       "--metrics-json", str(metrics)]) == 0
+    m = json.loads(metrics.read_text())
+    assert m["steps"] == 20 and m["skipped_batches"] == 0
+    print(f"gpu-check: {policy} mirrored on {len(GPUS)} GPU(s): valid ppl "
+          f"{m['valid_ppl']:.2f}, {m['loss_scale_skips']} loss-scale skip(s)")
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+    try:
+        n = len(GPUS)
+        code = verify.main(["--precision", policy, "--strategies",
+                            f"mirrored:{n},tower:{n}" if n > 1 else "mirrored:1"])
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(True)
+    assert code == 0
 
 
 @needs(2)

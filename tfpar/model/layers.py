@@ -419,12 +419,27 @@ class _FastRecurrence:
             recurrent_kernel = self.recurrent_noise(recurrent_kernel)
         args = (_dropped(self, sequences, training), list(initial_state), mask, kernel,
                 recurrent_kernel, _value(cell.bias))
+        low = self.compute_dtype if self.compute_dtype != "float32" else None
         if self.matmul_dtype is None and runs_on_gpu(kernel):
             try:
-                return self._cudnn(*args)
+                if low is None:
+                    return self._cudnn(*args)
+                # A mixed policy: cuDNN in the 16-bit type, the final state float32.
+                x, state, *rest = args
+                last, outputs, final = self._cudnn(
+                    x, [tf.cast(s, low) for s in state], *rest)
+                return last, outputs, [tf.cast(s, tf.float32) for s in final]
             except NotImplementedError:  # Keras' backend declined: no usable cuDNN here
                 pass
-        return self._fast(*args)
+        if low is None:
+            return self._fast(*args)
+        # A mixed policy on the fast recurrence: state and gate arithmetic in float32, the
+        # large matmuls in the 16-bit type, the outputs in it.
+        x, state, mask, *weights = args
+        last, outputs, final = self._fast(
+            tf.cast(x, tf.float32), [tf.cast(s, tf.float32) for s in state], mask,
+            *[tf.cast(w, tf.float32) for w in weights], matmul_dtype=low)
+        return tf.cast(last, low), tf.cast(outputs, low), final
 
     def get_config(self):
         return {**super().get_config(), "matmul_dtype": self.matmul_dtype}
@@ -438,9 +453,9 @@ class FastLSTM(_FastRecurrence, keras.layers.LSTM):
       Everything else: as ``keras.layers.LSTM``.
     """
 
-    def _fast(self, x, state, mask, kernel, recurrent_kernel, bias):
+    def _fast(self, x, state, mask, kernel, recurrent_kernel, bias, matmul_dtype=None):
         outputs, h, c = lstm_sequence(x, state[0], state[1], mask, kernel, recurrent_kernel,
-                                      bias, matmul_dtype=self.matmul_dtype)
+                                      bias, matmul_dtype=matmul_dtype or self.matmul_dtype)
         return h, outputs, [h, c]
 
     def _cudnn(self, x, state, mask, kernel, recurrent_kernel, bias):
@@ -463,9 +478,9 @@ class FastGRU(_FastRecurrence, keras.layers.GRU):
     def _covered(self) -> bool:
         return _default_math(self) and self.cell.reset_after
 
-    def _fast(self, x, state, mask, kernel, recurrent_kernel, bias):
+    def _fast(self, x, state, mask, kernel, recurrent_kernel, bias, matmul_dtype=None):
         outputs, h = gru_sequence(x, state[0], mask, kernel, recurrent_kernel, bias,
-                                  matmul_dtype=self.matmul_dtype)
+                                  matmul_dtype=matmul_dtype or self.matmul_dtype)
         return h, outputs, [h]
 
     def _cudnn(self, x, state, mask, kernel, recurrent_kernel, bias):

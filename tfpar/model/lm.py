@@ -20,6 +20,7 @@ import tensorflow as tf
 from tfpar.config import ModelConfig
 from tfpar.model.layers import FastGRU, FastLSTM
 from tfpar.model.noise import Noise, global_rows
+from tfpar.model.precision import dtype_policy, matmul_dtype as precision_matmul_dtype
 
 EMBEDDING, SOFTMAX = "embedding", "softmax"
 
@@ -41,22 +42,27 @@ class RNNLanguageModel(keras.Model):
         # whichever shape a step function happened to be traced with first.
         self.fixed_shapes = fixed_shapes
         init = _initializer(config.init_scale, seed)
+        # --precision (tfpar.model.precision): a mixed policy makes the embedding and the
+        # RNN layers compute in 16 bits; the softmax layer stays float32 with 16-bit matmul
+        # inputs, as do every layer's large matmuls with "bf16".
+        policy = dtype_policy(config.precision)
+        mixed = {"dtype": policy} if policy is not None else {}
+        matmul_dtype = precision_matmul_dtype(config.precision)
         embedding_cls = RowEmbedding if config.softmax == "sampled" else keras.layers.Embedding
         self.embedding = embedding_cls(
             vocab_size, config.embed_dim, mask_zero=True, name=EMBEDDING,
-            embeddings_initializer=init or "uniform",
+            embeddings_initializer=init or "uniform", **mixed,
         )
         # Keras' LSTM/GRU with a faster recurrence on CPUs (same weights and math; see
         # tfpar.model.layers).
         rnn_cls = FastLSTM if config.cell == "lstm" else FastGRU
-        matmul_dtype = "bfloat16" if config.precision == "bf16" else None
         # Each layer is its own attribute, not a list element: Keras 3 keeps lists in
         # its own tracked collections, which tf.train.Checkpoint does not see, so layers
         # held only in a list would silently be left out of every checkpoint.
         for i in range(config.layers):
             setattr(self, rnn_name(i), rnn_cls(
                 config.hidden_dim, return_sequences=True, return_state=True, name=rnn_name(i),
-                matmul_dtype=matmul_dtype,
+                matmul_dtype=None if policy is not None else matmul_dtype, **mixed,
                 **({"kernel_initializer": init, "recurrent_initializer": init} if init else {}),
             ))
         # Every random mask: a function of (seed, step, site, global row), not of the
@@ -73,7 +79,9 @@ class RNNLanguageModel(keras.Model):
                                       kernel_initializer=init or "glorot_uniform")
         else:
             self.softmax = (LowPrecisionDense if matmul_dtype else keras.layers.Dense)(
-                vocab_size, name=SOFTMAX, **({"kernel_initializer": init} if init else {})
+                vocab_size, name=SOFTMAX, **({"matmul_dtype": matmul_dtype} if matmul_dtype
+                                             else {}),
+                **({"kernel_initializer": init} if init else {})
             )
 
     @property
@@ -126,7 +134,9 @@ class RNNLanguageModel(keras.Model):
     def run_rnn(self, i: int, x, mask, state=None, training=False, rows=None):
         """Layer ``i``: [B, T, D] → ([B, T, H], its final state as a list)."""
         out = self.rnns[i](x, mask=mask, initial_state=state, training=training)
-        seq, final = out[0], list(out[1:])
+        # The state leaves in float32 whatever the layer computes in (a mixed policy): the
+        # state carried between stream windows, checkpointed and exported is float32.
+        seq, final = out[0], [tf.cast(s, tf.float32) for s in out[1:]]
         return self._dropout(seq, i + 1, rows, training), final
 
     def call(self, inputs, initial_state=None, training=False, rows=None):
@@ -248,12 +258,20 @@ class RowSoftmax(keras.layers.Layer):
 
 
 class LowPrecisionDense(keras.layers.Dense):
-    """``keras.layers.Dense`` (same weights) whose matmul runs in bfloat16: inputs and
-    kernel are cast for the product only, the result, bias and gradients' consumers stay
-    float32 (``--precision bf16``)."""
+    """``keras.layers.Dense`` (same weights) whose matmul runs in ``matmul_dtype``
+    (bfloat16 or float16): inputs and kernel are cast for the product only, the result,
+    bias and gradients' consumers stay float32 (``--precision bf16`` and the mixed
+    policies' softmax)."""
+
+    def __init__(self, units, *, matmul_dtype="bfloat16", **kwargs):
+        super().__init__(units, **kwargs)
+        self.matmul_dtype = matmul_dtype
 
     def call(self, inputs):
-        return _matmul(inputs, self.kernel, "bfloat16") + self.bias
+        return _matmul(inputs, self.kernel, self.matmul_dtype) + self.bias
+
+    def get_config(self):
+        return {**super().get_config(), "matmul_dtype": self.matmul_dtype}
 
 
 def _matmul(x, w, dtype=None, *, transpose_b=False):

@@ -42,7 +42,7 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from tfpar.data.pipeline import at_least_one_row
-from tfpar.model import xla
+from tfpar.model import precision, xla
 from tfpar.objective import losses, sampling
 
 # The noise site (tfpar.model.noise) that keys the sampled softmax's candidates: one
@@ -118,6 +118,7 @@ def sampled_loss(model, x: tf.Tensor, targets: tf.Tensor) -> tuple[tf.Tensor, tf
     candidates = sampling.log_uniform_candidates(
         model.noise.key(CANDIDATE_SITE), model.config.num_sampled, model.vocab_size)
     weights, biases = model.softmax.output_weights()
+    x = tf.cast(x, tf.float32)  # a mixed policy's 16-bit features: the loss is float32
     return losses.sampled_nll_sum_and_count(
         model.softmax.project(x), targets, _variable(weights), _variable(biases), candidates)
 
@@ -137,6 +138,15 @@ def training_loss(model, batch: dict, state=None, training: bool = True):
                               rows=batch.get("rows"))
     nll_sum, count = sampled_loss(model, x, batch["targets"])
     return nll_sum, count, final
+
+
+def differentiated(model, nll_sum: tf.Tensor, global_count: tf.Tensor) -> tf.Tensor:
+    """What every replica (and pipeline micro-batch) differentiates: ``nll_sum /
+    global_count``, times the loss scale under ``--precision mixed_float16`` (then the
+    gradients are scaled too, and :func:`update` divides their sum by the scale)."""
+    loss = nll_sum / global_count
+    scale_loss = getattr(model, "scale_loss", None)
+    return loss if scale_loss is None else scale_loss(loss)
 
 
 def sparse_gradients(model) -> bool:
@@ -167,7 +177,7 @@ def replica_gradients(model, batch: dict, global_count: tf.Tensor, state=None, *
     variables = model.trainable_variables if variables is None else variables
     with tf.GradientTape() as tape:
         nll_sum, count, final = training_loss(model, batch, state, training)
-        loss = nll_sum / tf.maximum(global_count, 1.0)
+        loss = differentiated(model, nll_sum, tf.maximum(global_count, 1.0))
     grads = tape.gradient(loss, variables)
     if not sparse_gradients(model):
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
@@ -231,33 +241,54 @@ def clip_factor(global_norm: tf.Tensor, clip_norm: float) -> tf.Tensor:
 
 
 def update(norm: tf.Tensor, nll_sum: tf.Tensor, clip_norm: float,
-           apply: Callable[[tf.Tensor], Any]) -> tf.Tensor:
+           apply: Callable[[tf.Tensor], Any], loss_scale: tf.Tensor | None = None
+           ) -> tf.Tensor:
     """The update: ``apply(clip factor)`` when the step is finite, nothing otherwise.
 
     A step is finite when both the aggregated gradient's norm and the summed loss are:
     the loop reports a step with either one inf/NaN as "not applied", so neither may
     reach the weights (an overflowing loss can come with a finite gradient).
 
+    With loss scaling (``loss_scale``, the ``LossScaleOptimizer``'s current scale, which
+    ``apply`` then goes through) the gradient is the scaled one: the clip factor comes
+    from ``norm / loss_scale``, and the optimizer divides by the scale as it applies. A
+    finite loss with an overflowing scaled gradient is a loss-scale skip: ``apply(NaN)``
+    hands every replica non-finite gradients, so Keras' optimizer halves the scale and
+    skips the step on all of them alike (its finiteness check is per replica).
+
     Args:
-      norm: global norm of the aggregated gradient.
+      norm: global norm of the aggregated (scaled) gradient.
       nll_sum: the batch's summed loss (all replicas).
       clip_norm: ``--clip-norm`` (0: no clipping).
       apply: applies ``factor * gradient`` once (the strategy's ``apply``).
+      loss_scale: the loss scale, or None without loss scaling.
 
     Returns:
       A bool scalar: whether the update was applied.
     """
-    factor = clip_factor(norm, clip_norm)
+    true_norm = norm if loss_scale is None else norm / loss_scale
+    factor = clip_factor(true_norm, clip_norm)
 
     def applied():
         apply(factor)
         return tf.constant(True)
 
+    def not_applied():
+        return tf.constant(False)
+
+    def scale_skip():
+        apply(tf.constant(float("nan")))
+        return tf.constant(False)
+
     # The condition sits outside any replica context: under tf.distribute a
     # synchronisation point (the optimizer's all-reduce) may not live in replica control
     # flow, so the strategy's apply calls strategy.run inside this branch.
     finite = tf.logical_and(tf.math.is_finite(norm), tf.math.is_finite(nll_sum))
-    return tf.cond(finite, applied, lambda: tf.constant(False))
+    if loss_scale is None:
+        return tf.cond(finite, applied, not_applied)
+    overflow = tf.logical_and(tf.math.is_finite(nll_sum),
+                              tf.logical_not(tf.math.is_finite(norm)))
+    return tf.cond(finite, applied, lambda: tf.cond(overflow, scale_skip, not_applied))
 
 
 def one_update(plugin, model, optimizer, *, clip_norm: float):
@@ -266,6 +297,7 @@ def one_update(plugin, model, optimizer, *, clip_norm: float):
     # Dropout masks are keyed by the optimizer's step (tfpar.model.noise): the same on
     # every replica, and a resumed run draws what an uninterrupted one did.
     model.noise.step = lambda: optimizer.iterations
+    scale = use_loss_scaling(model, optimizer)
 
     def one(batch, state):
         # Fixed shapes (stream mode: two window shapes an epoch): the step's parts run
@@ -276,10 +308,21 @@ def one_update(plugin, model, optimizer, *, clip_norm: float):
             agg = plugin.gradients(model, batch, state)
         update(agg.norm, agg.nll_sum, clip_norm,
                lambda factor: plugin.apply(optimizer, model.trainable_variables, agg.grads,
-                                           factor))
+                                           factor), loss_scale=scale)
+        if scale is not None:  # reported: the norm of the true gradient
+            agg = dataclasses.replace(agg, norm=agg.norm / scale)
         return agg
 
     return one
+
+
+def use_loss_scaling(model, optimizer):
+    """With a ``LossScaleOptimizer``: makes :func:`differentiated` scale the model's loss
+    by it and returns its scale variable; otherwise None (and the loss is not scaled)."""
+    scale = precision.loss_scale(optimizer)
+    # A plain function attribute: Keras does not track it as a weight.
+    model.scale_loss = optimizer.scale_loss if scale is not None else None
+    return scale
 
 
 def make_train_step(plugin, model, optimizer, *, clip_norm: float):

@@ -139,6 +139,10 @@ def summed_already(optimizer):
     their own, at the same time. Returns the optimizer."""
     if SUM_ONCE:
         optimizer._all_reduce_sum_gradients = _as_given
+        # Under loss scaling the wrapped optimizer is the one that applies (and sums).
+        inner = getattr(optimizer, "inner_optimizer", None)
+        if inner is not None:
+            inner._all_reduce_sum_gradients = _as_given
     return optimizer
 
 

@@ -248,10 +248,15 @@ class Coordinator:
                               "updates variables one by one with the optimizer's update_step, "
                               "which leaves weight decay out; use a synchronous strategy or "
                               "--weight-decay 0")
-        if config.train.steps_per_execution > 1:
+        if (config.train.steps_per_execution or 1) > 1:
             raise ConfigError(f"--steps-per-execution {config.train.steps_per_execution}: "
                               "parameter_server schedules every step on a worker without "
                               "waiting for it already; use --steps-per-execution 1")
+        if config.model.precision == "mixed_float16":
+            raise ConfigError("--precision mixed_float16: parameter_server updates variables "
+                              "one by one with the optimizer's update_step, which has no "
+                              "loss scaling; use --precision mixed_bfloat16 or a synchronous "
+                              "strategy")
         if config.run.profile_steps:
             raise ConfigError("--profile-steps profiles steps in the training process, but "
                               "parameter_server steps run on the workers; profile a "

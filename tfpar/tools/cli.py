@@ -148,7 +148,12 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="uniform init in [-s, s] for every weight (default 0.1; 0: Keras "
                         "defaults)")
     g.add_argument("--precision", default="fp32",
-                   help="fp32 | bf16 (large matmuls in bfloat16, for CPUs with AMX/AVX512-BF16)")
+                   help="fp32 | bf16 (large matmuls in bfloat16 on float32 layers, for CPUs "
+                        "with AMX/AVX512-BF16) | mixed_bfloat16 | mixed_float16 (Keras "
+                        "mixed-precision policies: float32 variables, 16-bit compute, float32 "
+                        "softmax and loss; mixed_float16 with dynamic loss scaling; for "
+                        "GPUs: bfloat16 on A100/H100, float16 on V100/T4) "
+                        "(default: %(default)s)")
     g.add_argument("--softmax", default="full",
                    help="the training loss: full (every word's logit) | sampled "
                         "(tf.nn.sampled_softmax_loss over each target and --num-sampled "
@@ -187,11 +192,12 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-limit", type=float, default=0.0,
                    help="stop training after this many minutes (checkpoint, then evaluate "
                         "and export as at the end; 0: no limit)")
-    g.add_argument("--steps-per-execution", type=int, default=1, metavar="N",
+    g.add_argument("--steps-per-execution", type=int, default=None, metavar="N",
                    help="run N training steps per tf.function call, in a loop inside the "
                         "graph (losses come back once per call; checkpoints, summaries, "
                         "--max-steps and the non-finite guard keep their meaning) "
-                        "(default: 1)")
+                        "(default: 1 on CPUs, 20 when the strategy's devices are GPUs, "
+                        "where a step is short against the host's ~1 ms per call)")
     g.add_argument("--batch-size", type=int, default=20,
                    help="GLOBAL batch: sentences (or stream columns) over all replicas "
                         "(default: 20)")

@@ -34,12 +34,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfpar.config import MODES, DataConfig, DistConfig, ModelConfig
+from tfpar.config import MODES, PRECISIONS, DataConfig, DistConfig, ModelConfig
 from tfpar.data import synthetic
 from tfpar.data.pipeline import InputData
 from tfpar.data.vocab import Vocab
 from tfpar.errors import ClusterError, ConfigError
 from tfpar.model.lm import build_model
+from tfpar.model.precision import with_loss_scaling
 from tfpar.objective import step
 from tfpar.objective.losses import perplexity, token_count
 from tfpar.objective.step import run_steps
@@ -54,6 +55,22 @@ from tfpar.training.state import build_train_state
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 log = logging.getLogger(__name__)
+
+
+# The default (parameter, eval perplexity) tolerances per --precision. float32: the
+# replicas' sums are added in another order than one device's (a few float32 ulps). With
+# 16-bit matmuls a replica's weight-gradient product over its rows is rounded to 16 bits
+# before the replicas' products are summed, where one device rounds the whole product
+# once: differences up to the 16-bit unit roundoff of a gradient entry (bfloat16 2**-8,
+# float16 2**-11). Measured on verify's defaults over 10 steps (mirrored:2, tower:3,
+# pipeline:2): at most 3.5e-4 / 2.7e-5 with bfloat16 and 3.6e-5 / 4.4e-6 with float16;
+# the tolerances leave about 5x.
+TOLERANCES = {
+    "fp32": (1e-5, 1e-6),
+    "bf16": (2e-3, 2e-4),
+    "mixed_bfloat16": (2e-3, 2e-4),
+    "mixed_float16": (2e-4, 2e-5),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +93,9 @@ class VerifySpec:
     # SGD momentum: the optimizer has a slot per weight, compared like the weights.
     momentum: float = 0.5
     # Pass when max |param - default's| <= tolerance ...
-    tolerance: float = 1e-5
+    tolerance: float | None = None  # None: TOLERANCES[precision]
     # ... and |ppl - default's ppl| / default's ppl <= eval_tolerance.
-    eval_tolerance: float = 1e-6
+    eval_tolerance: float | None = None
     # Seeds the corpus and the initial weights.
     seed: int = 0
     # The model: small, so that the check takes seconds.
@@ -97,11 +114,21 @@ class VerifySpec:
     num_sampled: int = 20
     # Share the embedding with the softmax (the sampled loss then reads the embedding).
     tie_embeddings: bool = False
+    # --precision (tfpar.model.precision); mixed_float16 adds loss scaling.
+    precision: str = "fp32"
     # Generated corpus size (sentences); words are drawn from a 100-word language.
     train_sentences: int = 400
     valid_sentences: int = 60
 
     def __post_init__(self) -> None:
+        if self.precision not in TOLERANCES:
+            raise ConfigError(f"unknown precision {self.precision!r}; expected one of: "
+                              f"{', '.join(TOLERANCES)}")
+        tolerance, eval_tolerance = TOLERANCES[self.precision]
+        if self.tolerance is None:
+            object.__setattr__(self, "tolerance", tolerance)
+        if self.eval_tolerance is None:
+            object.__setattr__(self, "eval_tolerance", eval_tolerance)
         if self.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {self.steps}")
         if self.batch_size < 1:
@@ -136,7 +163,9 @@ class Setup:
         return len(self.data.vocab)
 
     def make_optimizer(self) -> keras.optimizers.Optimizer:
-        return keras.optimizers.SGD(learning_rate=self.spec.lr, momentum=self.spec.momentum)
+        return with_loss_scaling(
+            keras.optimizers.SGD(learning_rate=self.spec.lr, momentum=self.spec.momentum),
+            self.spec.precision)
 
     def train_batches(self, plugin, epoch: int):
         return plugin.distribute(
@@ -208,7 +237,8 @@ def build_setup(spec: VerifySpec) -> Setup:
                                locked_dropout=spec.locked_dropout,
                                embed_dropout=spec.embed_dropout, weight_drop=spec.weight_drop,
                                tie_embeddings=spec.tie_embeddings, softmax=spec.softmax,
-                               num_sampled=spec.num_sampled if spec.softmax == "sampled" else None)
+                               num_sampled=spec.num_sampled if spec.softmax == "sampled" else None,
+                               precision=spec.precision)
     model_config.check_vocab_size(len(data.vocab))
     with tf.device("/cpu:0"):
         model = build_model(model_config, len(data.vocab), seed=spec.seed)
@@ -519,10 +549,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--momentum", type=float, default=0.5,
                    help="SGD momentum; its slots are compared like the weights "
                         "(default: %(default)s)")
-    p.add_argument("--tolerance", type=float, default=1e-5,
-                   help="max |parameter difference| allowed (default: %(default)s)")
-    p.add_argument("--eval-tolerance", type=float, default=1e-6,
-                   help="max relative eval perplexity difference (default: %(default)s)")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="max |parameter difference| allowed (default: 1e-5 with fp32, 2e-3 "
+                        "with bf16 and mixed_bfloat16, 2e-4 with mixed_float16)")
+    p.add_argument("--eval-tolerance", type=float, default=None,
+                   help="max relative eval perplexity difference (default: 1e-6 with fp32, "
+                        "2e-4 with bf16 and mixed_bfloat16, 2e-5 with mixed_float16)")
     p.add_argument("--seed", type=int, default=0, help="corpus and weights seed")
     p.add_argument("--hidden-dim", type=int, default=32, help="LSTM width (default: %(default)s)")
     p.add_argument("--embed-dim", type=int, default=32, help="embedding width (default: %(default)s)")
@@ -546,6 +578,10 @@ def parser() -> argparse.ArgumentParser:
                         "(about 100 words) (default: 20)")
     p.add_argument("--tie-embeddings", action="store_true",
                    help="share the embedding with the softmax (default: untied)")
+    p.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                   help="as train.py's --precision; 16-bit rounding depends on how rows are "
+                        "split, so mixed policies need looser tolerances (README, 'Mixed "
+                        "precision') (default: %(default)s)")
     p.add_argument("--json", default="", metavar="PATH",
                    help="also write the rows as a JSON list of {strategy, replicas, "
                         "max_abs_param_diff, eval_ppl_rel_diff}")
@@ -565,6 +601,7 @@ def spec_from_args(a: argparse.Namespace) -> VerifySpec:
         hidden_dim=a.hidden_dim, layers=a.layers, dropout=a.dropout,
         locked_dropout=a.locked_dropout, embed_dropout=a.embed_dropout,
         weight_drop=a.weight_drop, softmax=a.softmax, tie_embeddings=a.tie_embeddings,
+        precision=a.precision,
         **({} if a.num_sampled is None else {"num_sampled": a.num_sampled}),
     )
 

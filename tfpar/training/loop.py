@@ -22,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar.errors import Interrupted, TrainingError
+from tfpar.model.precision import loss_scaled
 from tfpar.objective.losses import perplexity
 from tfpar.objective.step import run_steps
 from tfpar.training.hooks import CheckpointHook, ProgressHook, Record, SummaryHook
@@ -41,6 +42,9 @@ class Progress:
     nll: float = 0.0
     count: float = 0.0
     skipped: int = 0
+    # Steps skipped by loss scaling (--precision mixed_float16): the scaled gradient
+    # overflowed and the scale was halved; not bad batches.
+    scale_skips: int = 0
     first_step_time: float | None = None  # time.time() when the first step was recorded
 
 
@@ -74,6 +78,7 @@ class Loop:
     def __init__(self, config, plugin, data, state, checkpointer, writer, train_step,
                  eval_step, train_steps=None):
         self.config, self.plugin, self.data, self.state = config, plugin, data, state
+        self.loss_scaled = loss_scaled(config.model.precision)
         self.checkpointer, self.writer = checkpointer, writer
         self.train_step, self.eval_step = train_step, eval_step
         # --steps-per-execution N > 1: steps(iterator, state, n) runs up to n per call.
@@ -163,8 +168,8 @@ class Loop:
         if self.bar is not None:
             self.start_bar(self.bar_total(epoch, skip))
         stream = self.config.data.mode == "stream"
-        train_step = restart_state_after_non_finite(self.train_step) if stream else \
-            self.train_step
+        train_step = restart_state_after_non_finite(self.train_step, self.loss_scaled) \
+            if stream else self.train_step
         # A resumed epoch starts from the state its checkpoint carried; a new one from 0.
         initial = self.plugin.local_state(self.state.carried()) if stream and skip else None
         self.carrying = initial
@@ -185,7 +190,7 @@ class Loop:
         """--steps-per-execution, cut so that a call ends on every --checkpoint-every
         multiple and at --max-steps: what is saved there is that step's state."""
         cfg, step = self.config, self.step
-        n = cfg.train.steps_per_execution
+        n = cfg.train.steps_per_execution or 1
         if cfg.run.checkpoint_every:
             n = min(n, cfg.run.checkpoint_every - step % cfg.run.checkpoint_every)
         if cfg.train.max_steps:
@@ -212,7 +217,7 @@ class Loop:
                 return
             self.carried_in = call.last_state_in  # the last window's start (non_finite)
             self.carrying = call.state
-            if stream and not is_finite(call.outputs[-1]):
+            if stream and not keeps_state(call.outputs[-1], self.loss_scaled):
                 self.carrying = None  # restart_state_after_non_finite, as for one step
             self.record(call.outputs, time.perf_counter() - start, per_step=True)
             if call.exhausted:
@@ -252,6 +257,10 @@ class Loop:
             nll, count, norm = float(out.nll_sum), float(out.count), float(out.grad_norm)
             if is_finite(out):
                 finite.append((nll, count, norm))
+            elif self.loss_scaled and math.isfinite(nll):
+                self.progress.scale_skips += 1
+                log.debug("loss scaling: the scaled gradient overflowed in the batch after "
+                          "step %d; skipped, scale halved", step)
             else:
                 self.non_finite(step, nll, norm, position + i)
         if finite:
@@ -404,17 +413,25 @@ def is_finite(out) -> bool:
     return math.isfinite(float(out.nll_sum)) and math.isfinite(float(out.grad_norm))
 
 
-def restart_state_after_non_finite(train_step):
+def keeps_state(out, loss_scaled: bool) -> bool:
+    """Whether the next stream window starts from the state ``out``'s window ended in:
+    yes after a finite step, and after a loss-scale skip (finite loss, overflowing scaled
+    gradient: the forward pass, hence the state, was finite)."""
+    return is_finite(out) or (loss_scaled and math.isfinite(float(out.nll_sum)))
+
+
+def restart_state_after_non_finite(train_step, loss_scaled: bool = False):
     """Stream mode: the window after a non-finite one starts from a zero state.
 
     A window whose loss or gradient is not finite usually ends in a NaN/inf recurrent
     state too; carried on, it would make every later window of the epoch non-finite (all
-    skipped under --on-nan skip). The next window starts afresh instead, as an epoch does.
+    skipped under --on-nan skip). The next window starts afresh instead, as an epoch does
+    (not after a loss-scale skip, see :func:`keeps_state`).
     """
 
     def step(batch, state=None):
         out = train_step(batch, state)
-        return out if is_finite(out) else dataclasses.replace(out, state=None)
+        return out if keeps_state(out, loss_scaled) else dataclasses.replace(out, state=None)
 
     return step
 

@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 
 from tfpar.config import Config
+from tfpar.model.precision import with_loss_scaling
 
 
 class EpochSchedule(keras.optimizers.schedules.LearningRateSchedule):
@@ -45,6 +46,7 @@ def applied_learning_rate(optimizer: keras.optimizers.Optimizer, step: int) -> f
     which after update ``step`` is the *next* update's rate: during warm-up a higher one.
     A constant rate is returned as it is.
     """
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # under loss scaling
     schedule = getattr(optimizer, "_learning_rate", None)  # what Keras built the rate from
     if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
         return float(schedule(max(step - 1, 0)))
@@ -71,9 +73,11 @@ def optimizer_factory(config: Config, num_replicas: int):
                                  config.train.warmup_steps, epoch, lr_scale)
         decay = config.train.weight_decay or None
         if config.train.optimizer == "sgd":
-            return keras.optimizers.SGD(learning_rate=schedule, weight_decay=decay)
-        if config.train.optimizer == "adagrad":
-            return keras.optimizers.Adagrad(learning_rate=schedule, weight_decay=decay)
-        return keras.optimizers.Adam(learning_rate=schedule, weight_decay=decay)
+            optimizer = keras.optimizers.SGD(learning_rate=schedule, weight_decay=decay)
+        elif config.train.optimizer == "adagrad":
+            optimizer = keras.optimizers.Adagrad(learning_rate=schedule, weight_decay=decay)
+        else:
+            optimizer = keras.optimizers.Adam(learning_rate=schedule, weight_decay=decay)
+        return with_loss_scaling(optimizer, config.model.precision)
 
     return make

@@ -128,13 +128,26 @@ class PipelinePlugin(StrategyPlugin):
             return list(dict.fromkeys(s.device for s in self._stages))
         if self.placement.spec is not None:
             return list(dict.fromkeys(self.placement.spec.values()))
-        return ([self.placement.host] if self.placement.host else []) + self.placement.compute
+        host = self.placement.host if self.placement.host and not self.placement.tied else ""
+        return ([host] if host else []) + self.placement.compute
 
     @property
     def stages(self) -> list[Stage]:
         if self._stages is None:
             raise RuntimeError("the pipeline has no model yet: make a step first")
         return self._stages
+
+    def check_config(self, config) -> None:
+        """Also where the placement learns whether the embedding is tied (before any
+        variable exists): the default rule then keeps it with the softmax."""
+        self.placement.tied = config.model.tie_embeddings
+        spec = self.placement.spec
+        if config.model.tie_embeddings and spec is not None and \
+                self.placement.device_of(EMBEDDING) != self.placement.device_of(SOFTMAX):
+            log.warning("--stages puts the tied embedding (%s) and the softmax (%s) on "
+                        "different devices: the softmax reads the table across devices "
+                        "every micro-batch", self.placement.device_of(EMBEDDING),
+                        self.placement.device_of(SOFTMAX))
 
     def describe(self) -> str:
         return (f"pipeline: {self.placement.describe()}; {self.micro_batches} "
@@ -329,7 +342,8 @@ class PipelinePlugin(StrategyPlugin):
                 elif part == SOFTMAX and training and model.config.softmax == "sampled":
                     # The sampled softmax: every micro-batch draws the step's candidates.
                     nll, count = step.sampled_loss(model, x, mb.targets)
-                    out.update(nll=nll, count=count, loss=nll / global_count)
+                    out.update(nll=nll, count=count,
+                               loss=step.differentiated(model, nll, global_count))
                 elif part == SOFTMAX:
                     # Tokens flattened to [b*T, V] and [b*T]: on 3-D logits of unknown
                     # size TF adds a run-time shape Assert, and a tf.function chains all
@@ -341,7 +355,7 @@ class PipelinePlugin(StrategyPlugin):
                         tf.reshape(mb.targets, [-1]))
                     out.update(nll=nll, count=count)
                     if global_count is not None:
-                        out["loss"] = nll / global_count
+                        out["loss"] = step.differentiated(model, nll, global_count)
                 else:
                     i = int(RNN_PART.match(part).group(1))
                     initial = None if states is None else states[i][j]

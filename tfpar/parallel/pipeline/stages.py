@@ -86,7 +86,9 @@ class Placement:
 
     * accelerators present: the embedding on the host CPU (a large, memory-bound lookup:
       the heterogeneous placement of the guide), ``rnn_i`` on accelerator min(i, n-1) and
-      the softmax on the last one: with one GPU everything but the embedding is on it;
+      the softmax on the last one: with one GPU everything but the embedding is on it.
+      A tied embedding (``tied``) is the softmax's matrix too: it goes on the softmax's
+      accelerator, so the last stage never reads the [V, E] table across PCIe;
     * CPU only, n (logical) devices: the embedding and ``rnn_i`` on device min(i, n-1),
       the softmax on the last, so 2 devices hold {embedding, rnn_0} | {rnn_1.., softmax}.
 
@@ -94,10 +96,11 @@ class Placement:
     """
 
     def __init__(self, spec: dict[str, str] | None = None, *, compute: list[str] = (),
-                 host: str = ""):
+                 host: str = "", tied: bool = False):
         self.spec = spec
         self.compute = list(compute)
         self.host = host
+        self.tied = tied
 
     def device_of(self, part: str) -> str | None:
         """The device of ``part`` (None: ``--stages`` leaves it unassigned)."""
@@ -106,6 +109,8 @@ class Placement:
             return self.spec.get(part) or (self.spec.get(RNN) if m else None)
         last = len(self.compute) - 1
         if part == EMBEDDING:
+            if self.tied and self.host:
+                return self.compute[last]
             return self.host or self.compute[0]
         if part == SOFTMAX:
             return self.compute[last]
@@ -142,7 +147,7 @@ class Placement:
     def describe(self) -> str:
         if self.spec is not None:
             return ", ".join(f"{p}={d}" for p, d in self.spec.items())
-        host = f"{EMBEDDING} on {self.host}, " if self.host else ""
+        host = f"{EMBEDDING} on {self.device_of(EMBEDDING)}, " if self.host else ""
         return f"{host}default split over {', '.join(self.compute)}"
 
 
