@@ -245,7 +245,7 @@ class TrainConfig:
     """Optimisation and the training loop."""
 
     # "sgd", "adam" or "adagrad" (with sparse gradients, SGD and Adagrad update only the
-    # rows a step touched; Adam every row: README "Huge vocabularies").
+    # rows a step touched; Adam every row: tfpar/docs/models.md, "Huge vocabularies").
     optimizer: str = "adam"
     # Base learning rate (before decay, warm-up and linear scaling).
     lr: float = 3e-3

@@ -177,7 +177,7 @@ class RowEmbedding(keras.layers.Embedding):
     lookup reads the whole table first; with that read still referenced when the
     optimizer scatters the step's rows into the table, TensorFlow copies the entire
     table before writing (copy-on-write): 300 ms of CPU a step for a 793,471 x 200 table,
-    more than the rest of the step (README, "Huge vocabularies")."""
+    more than the rest of the step (tfpar/docs/models.md, "Huge vocabularies")."""
 
     def call(self, inputs):
         if inputs.dtype not in (tf.int32, tf.int64):

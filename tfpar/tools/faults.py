@@ -59,7 +59,7 @@ import numpy as np
 from tfpar.errors import ConfigError
 
 # The optimizer, clip norm, init and softmax the measured kill and matrix runs use (the
-# README's numbers), whatever the CLI's defaults.
+# numbers in tfpar/docs/reliability.md), whatever the CLI's defaults.
 PINNED_OPTIMIZER = ["--optimizer", "adam", "--lr", "3e-3", "--clip-norm", "5",
                     "--init-scale", "0", "--no-tie-embeddings"]
 
