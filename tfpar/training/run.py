@@ -20,13 +20,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
+from tfpar import files
 from tfpar.config import Config
 from tfpar.data.pipeline import InputData
 from tfpar.data.sources import LoadedCorpus, load_corpus
@@ -259,9 +259,8 @@ def _report(metrics: dict[str, Any]) -> None:
 
 
 def _write_json(path: str, metrics: dict[str, Any]) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = path + ".tmp"
+    """``metrics`` as JSON at ``path`` (a local path or a URL), written atomically."""
+    tf.io.gfile.makedirs(files.parent(files.absolute(path)))
     # Strict JSON has no NaN or Infinity: a diverged run's perplexities are written as null.
     def strict(v):
         if isinstance(v, dict):
@@ -269,9 +268,8 @@ def _write_json(path: str, metrics: dict[str, Any]) -> None:
         return None if isinstance(v, float) and not math.isfinite(v) else v
 
     metrics = strict(metrics)
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(metrics, f, indent=2, sort_keys=True, default=_json_default, allow_nan=False)
-    os.replace(tmp, path)
+    files.write_text(path, json.dumps(metrics, indent=2, sort_keys=True, default=_json_default,
+                                      allow_nan=False))
 
 
 def _json_default(value):
