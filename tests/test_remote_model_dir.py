@@ -46,28 +46,26 @@ def test_a_run_on_ram_trains_resumes_exports_and_logs(tiny_args, ram_root, tmp_p
     from tfpar.tools.cli import train_main
 
     monkeypatch.chdir(tmp_path)  # where a URL mistaken for a local path would land
-    args = with_flag(with_flag(with_flag(tiny_args, "--max-steps", "1000"), "--epochs", "1"),
-                     "--batch-size", "64")  # an epoch of 5 steps
+    args = with_flag(with_flag(tiny_args, "--max-steps", "3"), "--batch-size", "64")
     args = with_flag(with_flag(with_flag(args, "--model-dir", f"{ram_root}/run"),
                                "--export-dir", f"{ram_root}/export"),
                      "--metrics-json", f"{ram_root}/metrics.json")
-    assert train_main(args + ["--no-export"]) == 0  # epoch 1
-    epoch = json.loads(tf.io.gfile.GFile(f"{ram_root}/metrics.json").read())["steps"]
-    assert epoch == 5
+    assert train_main(args + ["--no-export"]) == 0  # 3 of the epoch's 5 steps
+    assert json.loads(tf.io.gfile.GFile(f"{ram_root}/metrics.json").read())["steps"] == 3
     capsys.readouterr()
-    assert train_main(with_flag(args, "--epochs", "2")) == 0  # epoch 2, resumed
-    assert_resumed_from(capsys.readouterr().err, epoch)
+    assert train_main(with_flag(args, "--max-steps", "1000")) == 0  # the rest of the epoch
+    assert_resumed_from(capsys.readouterr().err, 3)
     metrics = json.loads(tf.io.gfile.GFile(f"{ram_root}/metrics.json").read())
-    assert metrics["steps"] == 2 * epoch and metrics["model_dir"] == f"{ram_root}/run"
+    assert metrics["steps"] == 5 and metrics["model_dir"] == f"{ram_root}/run"
 
     run = f"{ram_root}/run"
     assert {os.path.basename(p) for p in tf.io.gfile.glob(f"{run}/*")} == {
         "config.json", "vocab.txt", "checkpoints", "best", "metrics.jsonl", "train", "eval"}
-    lines = tf.io.gfile.GFile(f"{run}/metrics.jsonl").read().splitlines()
-    assert [(json.loads(x)["epoch"], json.loads(x)["step"]) for x in lines] == [(1, 5), (2, 10)]
+    (line,) = tf.io.gfile.GFile(f"{run}/metrics.jsonl").read().splitlines()
+    assert (json.loads(line)["epoch"], json.loads(line)["step"]) == (1, 5)
     for events in ("train", "eval"):  # one file per run
         assert len(tf.io.gfile.glob(f"{run}/{events}/events.out.tfevents.*")) == 2, events
-    assert tf.train.latest_checkpoint(f"{run}/checkpoints").endswith("ckpt-10")
+    assert tf.train.latest_checkpoint(f"{run}/checkpoints").endswith("ckpt-5")
 
     version = f"{ram_root}/export/tfpar_lm/1"
     assert metrics["export_path"] == version
@@ -191,3 +189,34 @@ def test_the_config_and_vocab_of_a_ram_model_dir_are_checked_on_resume(ram_root,
             pass
     assert sorted(tf.io.gfile.listdir(f"{ram_root}/run")) == ["config.json", "vocab.txt"]
     assert_nothing_local_named_ram(tmp_path)
+
+
+def test_an_export_to_a_url_moves_saved_model_pb_last_and_a_failed_move_leaves_nothing(
+        ram_root, monkeypatch):
+    """A folder rename on a URL is no single step (ram:// moves no files at all), so the
+    files are moved one by one, saved_model.pb last: until it lands the version is no
+    SavedModel to any reader, and a failure removes what was moved."""
+    from tfpar.config import Config
+    from tfpar.data.vocab import Vocab
+    from tfpar.model.lm import build_model
+    from tfpar.serving import export
+
+    vocab = Vocab(tokens=("<pad>", "<unk>", "<eos>", "a", "b"))
+    config = Config().replace(model={"embed_dim": 4, "hidden_dim": 4, "layers": 1},
+                              run={"export_dir": f"{ram_root}/models", "export_name": "lm"})
+    rename, moved = tf.io.gfile.rename, []
+
+    def fails_at_saved_model_pb(src, dst, overwrite=False):
+        if dst.endswith("/1/saved_model.pb"):
+            assert not tf.saved_model.contains_saved_model(f"{ram_root}/models/lm/1")
+            raise tf.errors.UnavailableError(None, None, "connection reset")
+        moved.append(dst)
+        rename(src, dst, overwrite=overwrite)
+
+    monkeypatch.setattr(tf.io.gfile, "rename", fails_at_saved_model_pb)
+    with pytest.raises(CheckpointError, match=r"^export to 'ram://.*/models/lm' failed: "
+                                              r"connection reset; nothing was written$"):
+        export.export_model(build_model(config.model, len(vocab), seed=1), vocab, config)
+    assert {m.rpartition("/lm/1/")[2] for m in moved if "/lm/1/" in m} >= {
+        "fingerprint.pb", "assets/vocab.txt", "variables/variables.index"}
+    assert tf.io.gfile.listdir(ram_root) == []  # no version, no staging, no folders made
