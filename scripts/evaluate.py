@@ -66,6 +66,7 @@ def stored_run(model_dir: str) -> tuple[Config, str]:
 
     path = os.path.join(model_dir, CONFIG_FILE)
     vocab = os.path.join(model_dir, "vocab.txt")
+    files.check_file_system(model_dir, "--model-dir")
     if not tf.io.gfile.isdir(model_dir):
         raise CheckpointError(f"--model-dir {model_dir!r} does not exist; give a training "
                               "run's model dir")

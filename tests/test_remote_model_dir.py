@@ -6,6 +6,7 @@ modification times."""
 
 import json
 import os
+import re
 import socket
 import time
 import uuid
@@ -79,6 +80,20 @@ def test_a_run_on_ram_trains_resumes_exports_and_logs(tiny_args, ram_root, tmp_p
     assert scored["tokens"].numpy().tolist() == [4]
     assert np.isfinite(scored["nll"].numpy()).all()
     assert_nothing_local_named_ram(tmp_path)
+
+
+@pytest.mark.parametrize("flag", ["--model-dir", "--export-dir", "--metrics-json"])
+def test_a_url_without_a_file_system_is_refused_before_training(flag, tiny_args, tmp_path,
+                                                                capsys):
+    from tfpar.tools.cli import train_main
+
+    assert train_main(with_flag(tiny_args, flag, "nosuch://bucket/x")) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(  # the file systems there are depend on what is installed
+        rf"error: {flag} 'nosuch://bucket/x': TensorFlow has no file system for nosuch:// "
+        r"here \(it has .*ram://.* and local paths\); s3://, hdfs:// and az:// need "
+        r"tensorflow-io \(pip install tensorflow-io\)", err), err
+    assert not (tmp_path / "run").exists()  # nothing written
 
 
 # ----------------------------------------------------------------------------- the lock

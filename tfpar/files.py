@@ -18,15 +18,41 @@ no modification times. tfpar writes only new files there (then renames them).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 
 import tensorflow as tf
 
+from tfpar.errors import ConfigError
+
 
 def is_local(path: str | os.PathLike) -> bool:
     """True for a path on this host's file system, False for a ``scheme://`` URL."""
     return "://" not in os.fspath(path)
+
+
+def check_file_system(path: str, flag: str) -> None:
+    """Refuses a URL whose file system TensorFlow does not have, before anything is
+    written. TensorFlow has ``gs://`` and ``ram://``; ``s3://``, ``hdfs://`` and ``az://``
+    come with tensorflow-io, imported here when installed (importing registers them).
+
+    Raises:
+      ConfigError: naming ``flag``, the path and the file systems there are.
+    """
+    if is_local(path):
+        return
+    scheme = path.split("://", 1)[0]
+    if scheme not in tf.io.gfile.get_registered_schemes():
+        with contextlib.suppress(ImportError):
+            import tensorflow_io  # noqa: F401
+    schemes = tf.io.gfile.get_registered_schemes()
+    if scheme not in schemes:
+        known = ", ".join(f"{s}://" for s in sorted(schemes) if s not in ("", "file"))
+        raise ConfigError(
+            f"{flag} {path!r}: TensorFlow has no file system for {scheme}:// here (it has "
+            f"{known} and local paths); s3://, hdfs:// and az:// need tensorflow-io "
+            "(pip install tensorflow-io)")
 
 
 def absolute(path: str) -> str:

@@ -281,7 +281,9 @@ def resolve_saved_model(path: str) -> str:
 
     Raises:
       CheckpointError: ``path`` is neither (the message says what was found).
+      ConfigError: ``path`` is a URL of a file system TensorFlow does not have.
     """
+    files.check_file_system(path, "--model")
     if tf.io.gfile.exists(os.path.join(path, "saved_model.pb")):
         return path
     if not tf.io.gfile.isdir(path):

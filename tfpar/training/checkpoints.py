@@ -55,10 +55,10 @@ def open_model_dir(config: Config, is_chief: bool, *, vocab: Vocab | None = None
     model_dir = config.run.model_dir or os.path.join(
         "runs", f"{config.dist.strategy}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     )
-    if tf.io.gfile.exists(model_dir) and not tf.io.gfile.isdir(model_dir):
-        raise ConfigError(f"--model-dir {model_dir!r} is a file; give a folder (new or a "
-                          "previous run's to resume it)")
     try:
+        if tf.io.gfile.exists(model_dir) and not tf.io.gfile.isdir(model_dir):
+            raise ConfigError(f"--model-dir {model_dir!r} is a file; give a folder (new or a "
+                              "previous run's to resume it)")
         tf.io.gfile.makedirs(model_dir)
     except (OSError, tf.errors.OpError) as e:
         raise ConfigError(f"cannot create --model-dir {model_dir!r}: "
@@ -250,10 +250,13 @@ class WriterLock:
         tmp = self._write_temporary(me)
         try:
             tf.io.gfile.rename(tmp, self.path, overwrite=False)
-        except tf.errors.AlreadyExistsError:
-            with contextlib.suppress(tf.errors.NotFoundError):
+        except tf.errors.OpError as e:
+            with contextlib.suppress(tf.errors.OpError):
                 tf.io.gfile.remove(tmp)
-            return False
+            if isinstance(e, tf.errors.AlreadyExistsError):
+                return False
+            raise ConfigError(f"cannot write the lock {self.path}: {files.reason(e)}; give "
+                              "a writable --model-dir") from None
         return self._read().get("token") == me["token"]
 
     def _write_temporary(self, me: dict) -> str:

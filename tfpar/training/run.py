@@ -102,6 +102,10 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
             log.info("strategy %s", task.describe())
             task.serve()
             return {}
+    for flag, path in (("--model-dir", config.run.model_dir),
+                       ("--export-dir", config.run.export_dir if config.run.export else ""),
+                       ("--metrics-json", config.run.metrics_json)):
+        files.check_file_system(path, flag)  # before a step is trained
     plugin = build_plugin(config)
     log.info("strategy %s", plugin.describe())
     plugin.check_config(config)
