@@ -4,6 +4,7 @@ the plug-in. Tested on ``ram://``, TensorFlow's in-memory file system (one proce
 runs are in-process), which like an object store has no O_EXCL, no folder rename and no
 modification times."""
 
+import importlib.util
 import json
 import os
 import re
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import assert_resumed_from
+from conftest import REPO, assert_resumed_from
+from tfpar.serving import export
 from tfpar.errors import CheckpointError, ConfigError
 from tfpar.training import checkpoints
 from tfpar.training.checkpoints import WriterLock
@@ -30,6 +32,14 @@ def ram_root():
     yield root
     if tf.io.gfile.exists(root):
         tf.io.gfile.rmtree(root)
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(f"{name}_script",
+                                                  os.path.join(REPO, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def with_flag(args, flag, value):
@@ -79,6 +89,13 @@ def test_a_run_on_ram_trains_resumes_exports_and_logs(tiny_args, ram_root, tmp_p
     scored = tf.saved_model.load(version).signatures["score"](text=tf.constant(["w1 w2 w3"]))
     assert scored["tokens"].numpy().tolist() == [4]
     assert np.isfinite(scored["nll"].numpy()).all()
+    assert export.resolve_saved_model(f"{ram_root}/export/tfpar_lm") == version
+
+    capsys.readouterr()  # scripts/evaluate.py reads the run back from ram://
+    assert load_script("evaluate").main(["--model-dir", run, "--split", "test", "--json"]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    assert evaluated["model"] == f"{run}/checkpoints/ckpt-5"
+    assert evaluated["perplexity"] == pytest.approx(metrics["test_ppl"], rel=1e-6)
     assert_nothing_local_named_ram(tmp_path)
 
 
@@ -214,7 +231,6 @@ def test_an_export_to_a_url_moves_saved_model_pb_last_and_a_failed_move_leaves_n
     from tfpar.config import Config
     from tfpar.data.vocab import Vocab
     from tfpar.model.lm import build_model
-    from tfpar.serving import export
 
     vocab = Vocab(tokens=("<pad>", "<unk>", "<eos>", "a", "b"))
     config = Config().replace(model={"embed_dim": 4, "hidden_dim": 4, "layers": 1},
