@@ -61,8 +61,8 @@ def absolute(path: str) -> str:
 
 
 def parent(path: str) -> str | None:
-    """The folder holding ``path``; None for a root (``/``, ``gs://``, ``gs://bucket``
-    has ``gs://``)."""
+    """The folder holding ``path`` (``gs://b/run`` → ``gs://b``, ``gs://b`` → ``gs://``);
+    None for a root (``/``, ``gs://``)."""
     path = path.rstrip("/") or path
     if is_local(path):
         up = os.path.dirname(path)
