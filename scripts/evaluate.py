@@ -60,17 +60,21 @@ def stored_run(model_dir: str) -> tuple[Config, str]:
     """The run's config and the path of its vocabulary; CheckpointError if not a run."""
     from tfpar.training.checkpoints import CONFIG_FILE
 
+    import tensorflow as tf
+
+    from tfpar import files
+
     path = os.path.join(model_dir, CONFIG_FILE)
     vocab = os.path.join(model_dir, "vocab.txt")
-    if not os.path.isdir(model_dir):
+    files.check_file_system(model_dir, "--model-dir")
+    if not tf.io.gfile.isdir(model_dir):
         raise CheckpointError(f"--model-dir {model_dir!r} does not exist; give a training "
                               "run's model dir")
     for needed in (path, vocab):
-        if not os.path.isfile(needed):
+        if not tf.io.gfile.exists(needed) or tf.io.gfile.isdir(needed):
             raise CheckpointError(f"--model-dir {model_dir!r} has no {os.path.basename(needed)};"
                                   " give the model dir of a tfpar training run")
-    with open(path, encoding="utf-8") as f:
-        return Config.from_json(f.read()), vocab
+    return Config.from_json(files.read_text(path)), vocab
 
 
 def evaluate_model_dir(args) -> dict:

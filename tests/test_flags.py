@@ -522,7 +522,7 @@ def test_model_dir_that_cannot_be_created(tmp_path):
     model_dir = blocker / "run"
     config = cfg.Config(run=cfg.RunConfig(model_dir=str(model_dir)))
     with pytest.raises(ConfigError, match=exactly(
-            f"cannot create --model-dir '{model_dir}': Not a directory")):
+            f"cannot create --model-dir '{model_dir}': {blocker} is not a directory")):
         with checkpoints.open_model_dir(config, True):
             pass
 

@@ -2,13 +2,18 @@
 
 The one place that turns "cannot read", "is a folder", "is binary" and "is not UTF-8"
 into :class:`~tfpar.errors.DataError` messages that name the file and say what it
-must be, so corpora and vocabularies report a bad file the same way.
+must be, so corpora and vocabularies report a bad file the same way. A file given by a
+URL (``gs://…``, ``ram://…``: a vocabulary saved in such a model dir) is read through
+``tf.io.gfile``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import tensorflow as tf
+
+from tfpar import files
 from tfpar.errors import DataError
 
 
@@ -101,7 +106,9 @@ def check_text_prefix(file: Path, what: str, *, holds: str,
     _decode(prefix, file, what, holds)
 
 
-def _read_bytes(file: Path, what: str, holds: str, limit: int | None = None) -> bytes:
+def _read_bytes(file: Path | str, what: str, holds: str, limit: int | None = None) -> bytes:
+    if not files.is_local(file):
+        return _read_url(file, what, holds, limit)
     try:
         if limit is None:
             return file.read_bytes()
@@ -120,6 +127,22 @@ def _read_bytes(file: Path, what: str, holds: str, limit: int | None = None) -> 
             f"{what} file {file} is a folder; it must be a UTF-8 text file with {holds}") from None
     except OSError as e:
         raise DataError(f"cannot read {what} file {file}: {e.strerror or e}") from None
+
+
+def _read_url(url: str, what: str, holds: str, limit: int | None) -> bytes:
+    """``_read_bytes`` of a file given by a URL (``gs://…``, ``ram://…``), via tf.io.gfile."""
+    try:
+        if tf.io.gfile.isdir(url):
+            raise DataError(
+                f"{what} file {url} is a folder; it must be a UTF-8 text file with {holds}")
+        with tf.io.gfile.GFile(url, "rb") as f:
+            return f.read(-1 if limit is None else limit)
+    except tf.errors.NotFoundError:
+        raise DataError(
+            f"{what} file {url} does not exist; give the path of a UTF-8 text file with "
+            f"{holds}") from None
+    except tf.errors.OpError as e:
+        raise DataError(f"cannot read {what} file {url}: {files.reason(e)}") from None
 
 
 def _decode(data: bytes, file: Path, what: str, holds: str) -> str:

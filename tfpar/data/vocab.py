@@ -28,6 +28,7 @@ from typing import Iterable
 import numpy as np
 import tensorflow as tf
 
+from tfpar import files
 from tfpar.data.text import TextSplit, line_batches, non_blank
 from tfpar.data.textfile import read_text
 from tfpar.data.tokenize import check_tokenizer, join_tokens, split_tokens
@@ -103,12 +104,10 @@ class Vocab:
         return cls(tokens=SPECIALS + tuple(words), counts=ids, tokenizer=counts.tokenizer)
 
     def save(self, directory: str | os.PathLike) -> str:
-        """Writes ``vocab.txt`` into ``directory`` (atomically) and returns its path."""
+        """Writes ``vocab.txt`` into ``directory`` (a local folder or a URL such as
+        ``gs://bucket/run``; atomically) and returns its path."""
         path = os.path.join(os.fspath(directory), VOCAB_FILE)
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write("\n".join(self.tokens) + "\n")
-        os.replace(tmp, path)
+        files.write_text(path, "\n".join(self.tokens) + "\n")
         return path
 
     @classmethod
@@ -123,7 +122,7 @@ class Vocab:
           DataError: the file does not exist, cannot be read, is binary or not UTF-8,
             or is not a vocabulary (see :func:`parse_tokens`).
         """
-        path = Path(path)
+        path = Path(path) if files.is_local(path) else os.fspath(path)  # URLs stay URLs
         text = read_text(path, "vocabulary", holds=TOKEN_PER_LINE)
         return cls(tokens=parse_tokens(text, path), tokenizer=tokenizer)
 

@@ -1,8 +1,10 @@
 """SavedModel export in the versioned layout TensorFlow Serving expects.
 
-``<export_dir>/<name>/<version>/`` with the next free integer version. The model is
-written into a hidden temporary folder next to it and renamed into place, so a reader
-never sees a half-written version. The export is built from a fresh copy of the model
+``<export_dir>/<name>/<version>/`` with the next free integer version; ``export_dir`` is a
+local folder or a URL (``gs://``, ``s3://``, ``hdfs://``, ``ram://``; ``tf.io.gfile``). The
+model is written into a hidden temporary folder next to it and renamed into place, so a
+reader never sees a half-written version (on a URL file by file, ``saved_model.pb``
+last: see :func:`export_model`). The export is built from a fresh copy of the model
 made outside any strategy scope, so a model trained under any strategy exports the same.
 
 Signatures (their names, inputs and outputs are the serving contract):
@@ -38,15 +40,16 @@ needs only TensorFlow:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import re
-import shutil
-import tempfile
+import uuid
 
 import tensorflow as tf
 
+from tfpar import files
 from tfpar.serving import sample
 from tfpar.config import Config
 from tfpar.errors import CheckpointError
@@ -151,10 +154,15 @@ class LanguageModelModule(tf.Module):
 
 def next_version(base: str) -> int:
     """1 + the largest integer folder name in ``base`` (1 when there is none)."""
-    if not os.path.isdir(base):
+    if not tf.io.gfile.isdir(base):
         return 1
-    versions = [int(n) for n in os.listdir(base) if re.fullmatch(r"\d+", n)]
+    versions = [int(n) for n in _names(base) if re.fullmatch(r"\d+", n)]
     return max(versions, default=0) + 1
+
+
+def _names(folder: str) -> list[str]:
+    """The entries of ``folder`` (object stores list sub-folders as ``name/``)."""
+    return [n.rstrip("/") for n in tf.io.gfile.listdir(folder)]
 
 
 def fresh_copy(model, config: Config):
@@ -167,19 +175,30 @@ def fresh_copy(model, config: Config):
 def export_model(model, vocab: Vocab, config: Config) -> str:
     """Writes the next version of the SavedModel and returns its path.
 
+    ``--export-dir`` may be a local folder or a URL (``gs://…``, ``s3://…``, ``hdfs://…``,
+    ``ram://…``). The SavedModel is saved into ``<base>/.staging-<random>/model`` first.
+    On a local disk that folder is then renamed to the version, one atomic step. On a URL
+    a folder rename is not one step (``ram://`` moves no files with it; an object store
+    copies object after object), so the files are renamed one by one into the version
+    folder, ``saved_model.pb`` last: a reader that waits for ``saved_model.pb``
+    (:func:`resolve_saved_model`, ``tf.saved_model.contains_saved_model``) never takes a
+    half-moved version.
+
     Raises:
       CheckpointError: the export dir cannot be written (the message names it); nothing
         half-written is left behind.
     """
     base = os.path.join(config.run.export_dir, config.run.export_name)
     created = _missing_folders(base)
+    staging = os.path.join(base, f".staging-{uuid.uuid4().hex}")
     try:
-        os.makedirs(base, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=".staging-", dir=base)
-    except OSError as e:
+        tf.io.gfile.makedirs(staging)
+    except (OSError, tf.errors.OpError) as e:
+        for folder in created:
+            _remove_if_empty(folder)
         raise CheckpointError(
-            f"cannot write to --export-dir {config.run.export_dir!r}: {e.strerror}; give a "
-            "writable folder or --no-export") from None
+            f"cannot write to --export-dir {config.run.export_dir!r}: {files.reason(e)}; give "
+            "a writable folder or --no-export") from None
     try:
         vocab.save(staging)
         module = LanguageModelModule(fresh_copy(model, config),
@@ -192,10 +211,10 @@ def export_model(model, vocab: Vocab, config: Config) -> str:
         raise CheckpointError(
             f"export to {base!r} failed: {_one_line(e)}; nothing was written") from None
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        with contextlib.suppress(tf.errors.OpError):
+            tf.io.gfile.rmtree(staging)
         for folder in created:  # only what this call made, and only if left empty
-            if os.path.isdir(folder) and not os.listdir(folder):
-                os.rmdir(folder)
+            _remove_if_empty(folder)
     log.info("exported SavedModel to %s", final)
     return final
 
@@ -203,11 +222,19 @@ def export_model(model, vocab: Vocab, config: Config) -> str:
 def _missing_folders(path: str) -> list[str]:
     """``path`` and its ancestors that do not exist yet, deepest first."""
     missing = []
-    path = os.path.abspath(path)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
+    path = files.absolute(path)
+    while path is not None and not tf.io.gfile.exists(path):
         missing.append(path)
-        path = os.path.dirname(path)
+        path = files.parent(path)
     return missing
+
+
+def _remove_if_empty(folder: str) -> None:
+    if files.is_local(folder):
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)  # fails, as wanted, if another export has written there
+    elif tf.io.gfile.isdir(folder) and not tf.io.gfile.listdir(folder):
+        tf.io.gfile.rmtree(folder)
 
 
 def _rename_to_next_version(out: str, base: str, attempts: int = 5) -> str:
@@ -215,28 +242,55 @@ def _rename_to_next_version(out: str, base: str, attempts: int = 5) -> str:
     for _ in range(attempts):
         final = os.path.join(base, str(next_version(base)))
         try:
-            os.rename(out, final)
+            if files.is_local(base):
+                tf.io.gfile.rename(out, final)
+            else:
+                _move_files(out, final)
             return final
-        except OSError as e:
-            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+        except tf.errors.OpError:
+            # Taken by another export between next_version and the rename (a rename onto
+            # an existing folder fails), or a failure of this one (raised).
+            if not tf.io.gfile.exists(final):
                 raise
     raise OSError(errno.EEXIST, f"another export keeps taking the next version in {base}")
 
 
+def _move_files(out: str, final: str) -> None:
+    """The files of folder ``out`` renamed one by one into a new folder ``final``,
+    ``saved_model.pb`` last; on a failure ``final`` is removed again."""
+    if tf.io.gfile.exists(final):
+        raise tf.errors.AlreadyExistsError(None, None, f"{final} exists")
+    moves = []
+    for folder, _, names in tf.io.gfile.walk(out):
+        target = final + folder[len(out):]
+        tf.io.gfile.makedirs(target)
+        moves += [(os.path.join(folder, n), os.path.join(target, n)) for n in names]
+    moves.sort(key=lambda move: os.path.basename(move[0]) == "saved_model.pb")
+    try:
+        for source, target in moves:
+            tf.io.gfile.rename(source, target, overwrite=False)
+    except tf.errors.OpError:
+        with contextlib.suppress(tf.errors.OpError):
+            tf.io.gfile.rmtree(final)
+        raise
+
+
 # ----------------------------------------------------------------------------- loading
 def resolve_saved_model(path: str) -> str:
-    """A version dir as given, or a name dir's highest version.
+    """A version dir as given, or a name dir's highest version (local paths or URLs).
 
     Raises:
       CheckpointError: ``path`` is neither (the message says what was found).
+      ConfigError: ``path`` is a URL of a file system TensorFlow does not have.
     """
-    if os.path.isfile(os.path.join(path, "saved_model.pb")):
+    files.check_file_system(path, "--model")
+    if tf.io.gfile.exists(os.path.join(path, "saved_model.pb")):
         return path
-    if not os.path.isdir(path):
+    if not tf.io.gfile.isdir(path):
         raise CheckpointError(f"--model {path!r} does not exist; give a SavedModel version "
                               "dir (saved_models/<name>/<version>) or its name dir")
-    versions = [int(n) for n in os.listdir(path) if re.fullmatch(r"\d+", n)
-                and os.path.isfile(os.path.join(path, n, "saved_model.pb"))]
+    versions = [int(n) for n in _names(path) if re.fullmatch(r"\d+", n)
+                and tf.io.gfile.exists(os.path.join(path, n, "saved_model.pb"))]
     if not versions:
         raise CheckpointError(f"--model {path!r} holds no SavedModel (no saved_model.pb, no "
                               "numbered version folders); give saved_models/<name>/<version>")

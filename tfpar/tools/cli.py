@@ -222,17 +222,20 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
 def add_output_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("outputs")
     g.add_argument("--model-dir", default="",
-                   help="checkpoints + TensorBoard events; re-use to resume "
+                   help="checkpoints + TensorBoard events; re-use to resume. A local folder "
+                        "or a URL: gs://, ram://, and with tensorflow-io s3://, hdfs:// "
                         "(default: runs/<strategy>-<timestamp>)")
     g.add_argument("--export-dir", default="saved_models",
-                   help="SavedModels go to <export-dir>/<export-name>/<version>/")
+                   help="SavedModels go to <export-dir>/<export-name>/<version>/ (a local "
+                        "folder or a URL, as --model-dir)")
     g.add_argument("--export-name", default="tfpar_lm", help="SavedModel name")
     g.add_argument("--no-export", action="store_true", help="skip the SavedModel export")
     g.add_argument("--checkpoint-every", type=int, default=0,
                    help="checkpoint every N steps (0: each epoch end)")
     g.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept")
     g.add_argument("--log-every", type=int, default=10, help="summary interval in steps")
-    g.add_argument("--metrics-json", default="", help="write final metrics to this JSON file")
+    g.add_argument("--metrics-json", default="",
+                   help="write final metrics to this JSON file (a local path or a URL)")
     g.add_argument("--final-weights", default="best",
                    help="best | last: the weights the final valid/test evaluation and the "
                         "export use: those of the epoch with the best valid perplexity (kept "

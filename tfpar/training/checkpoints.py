@@ -4,6 +4,11 @@
 ``checkpoints/``, the TensorBoard event folders and, while a run writes, ``LOCK``. The latest checkpoint is the one the
 manager's state file names (never the newest file by time). A re-run with the same
 model dir restores it; one whose configuration changes the model is refused.
+
+The model dir is a local folder or a URL of any file system TensorFlow has a plug-in for
+(``gs://``, ``s3://`` with tensorflow-io, ``hdfs://``, ``ram://``): everything in it is
+read and written through ``tf.io.gfile`` (``tfpar.files``), ``config.json`` and
+``vocab.txt`` atomically (a temporary file renamed over the old one).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import contextlib
 import datetime
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -22,6 +28,7 @@ import uuid
 
 import tensorflow as tf
 
+from tfpar import files
 from tfpar.config import Config, resume_conflicts
 from tfpar.data.vocab import VOCAB_FILE, Vocab, first_difference
 from tfpar.errors import CheckpointError, ConfigError
@@ -48,13 +55,14 @@ def open_model_dir(config: Config, is_chief: bool, *, vocab: Vocab | None = None
     model_dir = config.run.model_dir or os.path.join(
         "runs", f"{config.dist.strategy}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     )
-    if os.path.exists(model_dir) and not os.path.isdir(model_dir):
-        raise ConfigError(f"--model-dir {model_dir!r} is a file; give a folder (new or a "
-                          "previous run's to resume it)")
     try:
-        os.makedirs(model_dir, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"cannot create --model-dir {model_dir!r}: {e.strerror}") from None
+        if tf.io.gfile.exists(model_dir) and not tf.io.gfile.isdir(model_dir):
+            raise ConfigError(f"--model-dir {model_dir!r} is a file; give a folder (new or a "
+                              "previous run's to resume it)")
+        tf.io.gfile.makedirs(model_dir)
+    except (OSError, tf.errors.OpError) as e:
+        raise ConfigError(f"cannot create --model-dir {model_dir!r}: "
+                          f"{files.reason(e)}") from None
     lock = WriterLock(model_dir) if is_chief else None
     if lock is not None:
         lock.acquire()
@@ -77,24 +85,20 @@ def check_config_file(model_dir: str, config: Config, is_chief: bool, *,
     resume; only then the chief writes this run's configuration there (the latest run's
     is what the next resume is checked against) and saves ``vocab`` if none is saved."""
     path = os.path.join(model_dir, CONFIG_FILE)
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            stored = Config.from_json(f.read())
+    if tf.io.gfile.exists(path):
+        stored = Config.from_json(files.read_text(path))
         conflicts = resume_conflicts(stored, config)
         if conflicts:
             raise incompatible(model_dir, conflicts[0])
         check_batch_change(model_dir, stored, config)
         warn_on_exactness_change(stored, config)
     if vocab is not None:
-        if os.path.exists(os.path.join(model_dir, VOCAB_FILE)):
+        if tf.io.gfile.exists(os.path.join(model_dir, VOCAB_FILE)):
             check_vocab(model_dir, vocab, config.data.vocab_file)
         elif is_chief:
             vocab.save(model_dir)  # atomically
     if is_chief:
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(config.to_json())
-        os.replace(tmp, path)
+        files.write_text(path, config.to_json())  # atomically
 
 
 def check_vocab(model_dir: str, vocab: Vocab, vocab_file: str | None) -> None:
@@ -155,54 +159,70 @@ _INCARNATION = uuid.uuid4().hex
 
 class WriterLock:
     """One writer per model dir: ``<model_dir>/LOCK`` holds the writer's pid, host and a
-    token of its process, and the holder refreshes the file's mtime every
-    ``heartbeat`` seconds (a lease).
+    token of its process, and the holder renews it every ``heartbeat`` seconds (a lease).
 
-    Created with ``O_CREAT | O_EXCL``, so of two runs started together exactly one gets
-    it; the other is refused with a one-line error, and so is a run that finds a live
-    holder. A lock is stale, and taken over with a warning, when
+    On a local disk the file is created with ``O_CREAT | O_EXCL``, so of two runs started
+    together exactly one gets it, and the holder renews the lease by refreshing the
+    file's mtime. On a file system given by a URL (``gs://``, ``s3://``, ``hdfs://``,
+    ``ram://``: ``tf.io.gfile`` has no exclusive create) the lock is written to a file of
+    its own, ``.LOCK-<token>.tmp``, renamed to ``LOCK`` with ``overwrite=False`` and read
+    back: the run holds it only if ``LOCK`` then holds its token. The heartbeat reads
+    ``LOCK``, and while it still holds the token rewrites it the same way (temp file,
+    renamed over it) with the beat's time in it.
+
+    Either way the other run is refused with a one-line error, and so is a run that
+    finds a live holder. A lock is stale, and taken over with a warning, when
       * it was written by this host and this pid but another process (a restarted
         container: same hostname, same pid, new process), or
       * its pid no longer runs on this host (a run killed with SIGKILL), or
       * it comes from another host and its lease has expired: no heartbeat for
         ``lease`` seconds (a job requeued on another node; the old node's clock is not
-        read, only the file's mtime on the shared filesystem, compared with its now).
+        read, only the file's mtime on the shared file system, compared with its now;
+        on a file system that keeps no modification time, ``ram://``, the time of the
+        last beat written in the file, which is the holder's clock).
+
+    What a URL's lock does not guarantee: TensorFlow's ``rename(overwrite=False)`` checks
+    that ``LOCK`` is absent and then renames (on an object store a rename is a copy and
+    a delete), two steps, so two runs that start within that moment can both pass the
+    check. The later rename wins; the earlier run learns it from its read back when the
+    other rename landed before it, otherwise from its next heartbeat, which then logs an
+    error and stops renewing (the run itself goes on). Exclusive creation would need the
+    store's own conditional writes (GCS generation preconditions), which ``tf.io.gfile``
+    does not offer. A released lock is deleted only while it holds the run's token.
     """
 
     def __init__(self, model_dir: str, *, heartbeat: float = 30.0, lease: float = 300.0):
         self.model_dir = model_dir
         self.path = os.path.join(model_dir, LOCK_FILE)
+        self.local = files.is_local(model_dir)
         self.heartbeat, self.lease = heartbeat, lease
         self.held = False
+        self._me: dict = {}
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
 
     def acquire(self) -> None:
         me = {"pid": os.getpid(), "host": socket.gethostname(), "process": _INCARNATION}
+        if not self.local:  # this acquisition (one process may try twice), the beat
+            me.update(token=uuid.uuid4().hex, beat=time.time())
         for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder = self._holder()
-                why = self._stale(holder, me)
-                if not why:
-                    raise ConfigError(
-                        f"--model-dir {self.model_dir!r} is in use by pid {holder['pid']} "
-                        f"on {holder['host']} (lock {self.path}); wait for that run to end, "
-                        "or use another --model-dir") from None
-                log.warning("taking over the stale lock %s of pid %s on %s (%s)", self.path,
-                            holder.get("pid"), holder.get("host"), why)
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(self.path)
-                continue
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(me, f)
-            self.held = True
-            self._stop.clear()
-            self._beat = threading.Thread(target=self._keep_alive, daemon=True,
-                                          name="model-dir-lock")
-            self._beat.start()
-            return
+            if self._create(me):
+                self.held, self._me = True, me
+                self._stop.clear()
+                self._beat = threading.Thread(target=self._keep_alive, daemon=True,
+                                              name="model-dir-lock")
+                self._beat.start()
+                return
+            holder = self._holder()
+            why = self._stale(holder, me)
+            if not why:
+                raise ConfigError(
+                    f"--model-dir {self.model_dir!r} is in use by pid {holder['pid']} "
+                    f"on {holder['host']} (lock {self.path}); wait for that run to end, "
+                    "or use another --model-dir") from None
+            log.warning("taking over the stale lock %s of pid %s on %s (%s)", self.path,
+                        holder.get("pid"), holder.get("host"), why)
+            self._remove()
         raise ConfigError(f"cannot take the lock {self.path}: other runs keep taking it; "
                           "use another --model-dir")
 
@@ -211,33 +231,110 @@ class WriterLock:
             self._stop.set()
             if self._beat is not None:
                 self._beat.join()
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path)
+            if self.local or self._read().get("token") == self._me["token"]:
+                self._remove()
             self.held = False
 
+    def _create(self, me: dict) -> bool:
+        """Writes ``me`` as the lock unless a lock exists; True if this run holds it."""
+        if self.local:
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(me, f)
+            return True
+        if tf.io.gfile.exists(self.path):
+            return False
+        tmp = self._write_temporary(me)
+        try:
+            tf.io.gfile.rename(tmp, self.path, overwrite=False)
+        except tf.errors.OpError as e:
+            with contextlib.suppress(tf.errors.OpError):
+                tf.io.gfile.remove(tmp)
+            if isinstance(e, tf.errors.AlreadyExistsError):
+                return False
+            raise ConfigError(f"cannot write the lock {self.path}: {files.reason(e)}; give "
+                              "a writable --model-dir") from None
+        return self._read().get("token") == me["token"]
+
+    def _write_temporary(self, me: dict) -> str:
+        """``me`` in ``.LOCK-<token>.tmp`` (a URL's lock), ready to be renamed to LOCK.
+
+        Not ``LOCK.<token>``: ``ram://`` says a path exists when it is the prefix of one."""
+        tmp = os.path.join(self.model_dir, f".{LOCK_FILE}-{me['token']}.tmp")
+        try:
+            with tf.io.gfile.GFile(tmp, "w") as f:
+                f.write(json.dumps(me))
+        except tf.errors.OpError as e:
+            raise ConfigError(f"cannot write the lock {self.path}: {files.reason(e)}; give "
+                              "a writable --model-dir") from None
+        return tmp
+
+    def _remove(self) -> None:
+        if self.local:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+        else:
+            with contextlib.suppress(tf.errors.NotFoundError):
+                tf.io.gfile.remove(self.path)
+
     def _keep_alive(self) -> None:
-        """Refreshes the lock's mtime (the lease) until released."""
+        """Renews the lease until released: the lock's mtime on a local disk; on a URL a
+        rewrite with the beat's time, while the lock still holds this run's token."""
         while not self._stop.wait(self.heartbeat):
-            with contextlib.suppress(OSError):
-                os.utime(self.path)
+            if self.local:
+                with contextlib.suppress(OSError):
+                    os.utime(self.path)
+                continue
+            holder = self._read()
+            if holder.get("token") != self._me["token"]:
+                log.error("lost the lock %s to pid %s on %s: another run writes to --model-dir "
+                          "%s too; stop one of them", self.path, holder.get("pid"),
+                          holder.get("host"), self.model_dir)
+                return
+            self._me["beat"] = time.time()
+            with contextlib.suppress(ConfigError, tf.errors.OpError):
+                tf.io.gfile.rename(self._write_temporary(self._me), self.path, overwrite=True)
+
+    def _read(self) -> dict:
+        """The lock file's JSON object ({} when missing, empty or torn)."""
+        try:
+            if self.local:
+                with open(self.path, encoding="utf-8") as f:
+                    holder = json.load(f)
+            else:
+                holder = json.loads(files.read_text(self.path))
+        except (OSError, ValueError, tf.errors.OpError):
+            return {}
+        return holder if isinstance(holder, dict) else {}
 
     def _holder(self) -> dict:
+        holder = self._read()
         try:
-            with open(self.path, encoding="utf-8") as f:
-                holder = json.load(f)
             return {"pid": int(holder["pid"]), "host": str(holder["host"]),
-                    "process": holder.get("process")}
-        except (OSError, ValueError, KeyError, TypeError):
+                    "process": holder.get("process"), "beat": holder.get("beat")}
+        except (ValueError, KeyError, TypeError):
             return {"pid": None, "host": None}  # empty or torn: its writer died at once
+
+    def _idle(self, holder: dict) -> float | None:
+        """Seconds since the holder's last heartbeat (None: the lock is gone)."""
+        try:
+            if self.local:
+                return time.time() - os.path.getmtime(self.path)
+            beat = files.modified(self.path) or holder.get("beat")
+        except (OSError, tf.errors.NotFoundError):
+            return None
+        return time.time() - float(beat) if isinstance(beat, (int, float)) else math.inf
 
     def _stale(self, holder: dict, me: dict) -> str:
         """Why ``holder``'s lock is stale ("" when it may still be in use)."""
         if holder["pid"] is None:
             return "empty or torn: its writer died while writing it"
         if holder["host"] != me["host"]:
-            try:
-                idle = time.time() - os.path.getmtime(self.path)
-            except OSError:
+            idle = self._idle(holder)
+            if idle is None:
                 return "gone"
             if idle > self.lease:
                 return f"another host, no heartbeat for {idle:.0f} s, over the {self.lease:g} s lease"

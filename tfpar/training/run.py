@@ -21,13 +21,13 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import time
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
+from tfpar import files
 from tfpar.config import Config
 from tfpar.data.pipeline import InputData
 from tfpar.data.sources import LoadedCorpus, load_corpus
@@ -125,6 +125,10 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
             log.info("strategy %s", task.describe())
             task.serve()
             return {}
+    for flag, path in (("--model-dir", config.run.model_dir),
+                       ("--export-dir", config.run.export_dir if config.run.export else ""),
+                       ("--metrics-json", config.run.metrics_json)):
+        files.check_file_system(path, flag)  # before a step is trained
     plugin = build_plugin(config)
     log.info("strategy %s", plugin.describe())
     config = steps_per_execution(config, plugin)
@@ -285,9 +289,8 @@ def _report(metrics: dict[str, Any]) -> None:
 
 
 def _write_json(path: str, metrics: dict[str, Any]) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = path + ".tmp"
+    """``metrics`` as JSON at ``path`` (a local path or a URL), written atomically."""
+    tf.io.gfile.makedirs(files.parent(files.absolute(path)))
     # Strict JSON has no NaN or Infinity: a diverged run's perplexities are written as null.
     def strict(v):
         if isinstance(v, dict):
@@ -295,9 +298,8 @@ def _write_json(path: str, metrics: dict[str, Any]) -> None:
         return None if isinstance(v, float) and not math.isfinite(v) else v
 
     metrics = strict(metrics)
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(metrics, f, indent=2, sort_keys=True, default=_json_default, allow_nan=False)
-    os.replace(tmp, path)
+    files.write_text(path, json.dumps(metrics, indent=2, sort_keys=True, default=_json_default,
+                                      allow_nan=False))
 
 
 def _json_default(value):
