@@ -475,7 +475,7 @@ def test_every_flag_of_every_script_is_in_a_test():
     (lambda: cfg.DataConfig(synthetic_valid=0), "synthetic-valid must be > 0, got 0"),
     (lambda: cfg.DataConfig(synthetic_test=-5), "synthetic-test must be > 0, got -5"),
     (lambda: cfg.ModelConfig(precision="fp16"),
-     "unknown precision 'fp16'; expected one of: fp32, bf16"),
+     "unknown precision 'fp16'; expected one of: fp32, bf16, mixed_bfloat16, mixed_float16"),
     (lambda: cfg.ModelConfig(layers=0), "layers must be > 0, got 0"),
     (lambda: cfg.ModelConfig(embed_dim=0), "embed-dim must be > 0, got 0"),
     (lambda: cfg.ModelConfig(dropout=1.0), "dropout must be in [0, 1), got 1.0"),
