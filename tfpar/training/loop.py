@@ -21,10 +21,11 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tfpar.errors import Interrupted, TrainingError
+from tfpar.errors import Interrupted, Preempted, TrainingError
 from tfpar.objective.losses import perplexity
 from tfpar.objective.step import run_steps
 from tfpar.training.hooks import CheckpointHook, ProgressHook, Record, SummaryHook
+from tfpar.training.preemption import StopTogether
 from tfpar.training.schedule import applied_learning_rate
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class Loop:
     """Epochs of synchronous steps; see the module docstring."""
 
     def __init__(self, config, plugin, data, state, checkpointer, writer, train_step,
-                 eval_step, train_steps=None):
+                 eval_step, train_steps=None, *, cluster_resolver=None):
         self.config, self.plugin, self.data, self.state = config, plugin, data, state
         self.checkpointer, self.writer = checkpointer, writer
         self.train_step, self.eval_step = train_step, eval_step
@@ -92,6 +93,10 @@ class Loop:
         self.check_early_stop()
         checkpointer.before_save = self.store_carry
         self.stop_signal = StopSignal()
+        # A multi-worker job's cluster (None: one process): a stop signal then stops
+        # every worker after the same call (tfpar.training.preemption), not this one.
+        self.cluster_resolver = cluster_resolver
+        self.together: StopTogether | None = None
         self.bar = ProgressHook() if config.run.progress else None
         self.hooks = [SummaryHook(writer, config.run.log_every),
                       CheckpointHook(checkpointer, config.run.checkpoint_every)]
@@ -121,6 +126,11 @@ class Loop:
 
     def run(self) -> Progress:
         with self.stop_signal:
+            if self.cluster_resolver is not None:
+                self.together = StopTogether(
+                    self.cluster_resolver, self.stop_signal,
+                    save=lambda: self.checkpointer.save(self.step), error=self.preempted,
+                    checkpoint_dir=self.checkpointer.directory)
             cfg = self.config.train
             while int(self.state.epoch.numpy()) < cfg.epochs and not self.done():
                 epoch = int(self.state.epoch.numpy())
@@ -346,6 +356,12 @@ class Loop:
         self.carrying = carried_in
 
     def check_stop_signal(self) -> None:
+        """After every train call: a stop signal checkpoints this step and raises
+        Interrupted; in a multi-worker job every worker does so after the same call,
+        raising Preempted, whichever worker got the signal."""
+        if self.together is not None:
+            self.together.check()
+            return
         if self.stop_signal.received:
             self.checkpointer.save(self.step)
             # The default model dir is new for every run: then the same command would not
@@ -357,6 +373,18 @@ class Loop:
                 f"saved in {self.checkpointer.directory}; run the same command {again} to "
                 "resume"
             )
+
+    def preempted(self) -> Preempted:
+        """The error every worker of a multi-worker job raises at the agreed step."""
+        who = (f"{self.stop_signal.received} reached this worker" if self.stop_signal.received
+               else "a stop signal reached another worker")
+        again = ("again" if self.config.run.model_dir else
+                 f"with --model-dir {os.path.dirname(self.checkpointer.directory)}")
+        return Preempted(
+            f"preempted: {who}; every worker stopped after step {self.step} and the "
+            f"checkpoint of that step is saved in {self.checkpointer.directory}; run the "
+            f"same command {again} on every worker to resume (exit status "
+            f"{Preempted.exit_code})")
 
     def non_finite(self, step: int, nll: float, norm: float, position: int) -> None:
         """A batch (the ``position``-th of its epoch) gave a non-finite loss or gradient;

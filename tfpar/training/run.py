@@ -159,8 +159,11 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
         plugin.make_train_steps(state.model, state.optimizer, clip_norm=config.train.clip_norm)
         if config.train.steps_per_execution > 1 else None,
         lambda: state.step + 1, config.run.profile_steps)
+    # multi_worker: a stop signal on any worker stops every worker after the same step.
+    together = plugin.num_workers > 1 and not asynchronous
     loop = loop_class(config, plugin, data, state, ckpt, writer, train_step, eval_step,
-                      train_steps)
+                      train_steps,
+                      cluster_resolver=plugin.strategy.cluster_resolver if together else None)
     progress = loop.run()
 
     last_step = state.step
