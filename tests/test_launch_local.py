@@ -69,6 +69,23 @@ def test_a_given_port_that_is_taken_is_refused(capsys):
         "holding it or give this task another port")
 
 
+def test_a_preempted_job_with_no_restart_left_says_to_run_again(tmp_path, monkeypatch,
+                                                                capsys):
+    """Every worker exited 75 (stopped after one step, checkpoint saved) and --restarts is
+    used up: the launcher exits 75 with one line saying where the checkpoint is and to run
+    the same command again. (The job itself: run_job's test in test_cluster.)"""
+    from tfpar.parallel.cluster import local_job
+
+    monkeypatch.setattr(local_job, "run_job", lambda *args, **kwargs: local_job.PREEMPTED)
+    model_dir = tmp_path / "run"
+    assert load_launcher().main(["--workers", "2", "--", "--strategy", "multi_worker",
+                                 "--model-dir", str(model_dir)]) == 75
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: the multi_worker job was preempted (status 75): every worker stopped after "
+        f"the same step and its checkpoint is saved in {model_dir}; run the same command again "
+        "to resume (--restarts K relaunches it by itself)"]
+
+
 def test_train_flags_are_required(capsys):
     with pytest.raises(SystemExit) as e:
         load_launcher().main(["--workers", "2"])
@@ -220,52 +237,38 @@ def test_a_killed_worker_is_restarted_and_the_run_completes(tmp_path,
     assert_ends_as_uninterrupted(tmp_path, uninterrupted_multi_worker)
 
 
-PREEMPTED = 75  # tfpar.errors.Preempted.exit_code, the documented status
-
-
 @pytest.mark.cluster
-@pytest.mark.parametrize("signalled, restarts", [("worker 1", 1), ("worker 0", 0)],
-                         ids=["worker1-relaunched", "worker0-run-again"])
 def test_sigterm_to_one_worker_stops_every_worker_after_the_same_step(
-        tmp_path, uninterrupted_multi_worker, signalled, restarts):
-    """SIGTERM to one worker (the chief or the other) once the periodic checkpoint of
-    step 20 exists: both workers stop after one agreed step N > 20, both exit 75, and the
-    checkpoint of N is the one the job resumes from: relaunched by the launcher
-    (--restarts 1), or, with no restart left, by running the same command again after
-    the launcher exited 75 saying so. The run then ends equal to the uninterrupted one."""
-    every = 20  # a preemption step on a multiple of 20 would find it saved already
-    args = small_run(tmp_path, "multi_worker", MW_STEPS, every,
-                     data=uninterrupted_multi_worker / "corpus")
-    job = Launched(tmp_path, ["--workers", "2", "--restarts", str(restarts)], args)
-    wait_for(checkpoint(tmp_path, every), "the checkpoint of step 20", 300)
-    os.kill(job.pid(signalled), signal.SIGTERM)
-    status = job.finish()
+        tmp_path, uninterrupted_multi_worker):
+    """SIGTERM to worker 1 once the periodic checkpoint of step 10 exists: both workers
+    stop after one agreed step N > 10, both exit 75, the launcher relaunches the job
+    (--restarts 1), both workers resume from the checkpoint of N, and the run ends equal
+    to the uninterrupted one. (The launcher's side with fake tasks, and its message when
+    no restart is left: test_cluster.)"""
+    every = 10  # a preemption step on a multiple of 10 finds it saved already
+    job = Launched(tmp_path, ["--workers", "2", "--restarts", "1"],
+                   small_run(tmp_path, "multi_worker", MW_STEPS, every,
+                             data=uninterrupted_multi_worker / "corpus"))
+    wait_for(checkpoint(tmp_path, every), "the checkpoint of step 10", 300)
+    os.kill(job.pid("worker 1"), signal.SIGTERM)
+    assert job.finish() == 0, job.log[-4000:]
     log = job.log
+    (tmp_path / "launch.log").write_text(log)
     stopped = re.findall(r"\[(worker \d)\] error: preempted: (.*?); every worker stopped "
                          r"after step (\d+) and the checkpoint", log)
     assert sorted(w for w, _, _ in stopped) == ["worker 0", "worker 1"], log[-4000:]
-    assert {who for w, who, _ in stopped if w == signalled} == {"SIGTERM reached this worker"}
+    assert dict((w, who) for w, who, _ in stopped) == {
+        "worker 0": "a stop signal reached another worker",
+        "worker 1": "SIGTERM reached this worker"}
     steps = {int(n) for _, _, n in stopped}
     assert len(steps) == 1, stopped  # the same step on both workers
     step = steps.pop()
     assert every < step < MW_STEPS
     assert re.search(r"\[launch\] worker \d stopped for a preemption \(status 75\)", log)
     assert re.search(r"\[launch\] worker \d stopped for the preemption too \(status 75\)", log)
-    assert "Traceback" not in log and "UNAVAILABLE" not in log, log[-4000:]
-    if restarts:
-        assert status == 0, log[-4000:]
-        assert ("[launch] restarting the whole job (restart 1 of 1): it resumes from the "
-                "step every worker saved at the preemption") in log
-    else:
-        assert status == PREEMPTED, log[-4000:]
-        assert latest_step(tmp_path) == step
-        assert log.strip().splitlines()[-1] == (
-            f"error: the multi_worker job was preempted (status {PREEMPTED}): every worker "
-            f"stopped after the same step and its checkpoint is saved in {tmp_path / 'run'}; "
-            "run the same command again to resume (--restarts K relaunches it by itself)")
-        again = Launched(tmp_path, ["--workers", "2", "--restarts", str(restarts)], args)
-        assert again.finish() == 0, again.log[-4000:]
-        log = again.log
+    assert ("[launch] restarting the whole job (restart 1 of 1): it resumes from the step "
+            "every worker saved at the preemption") in log
+    assert "Traceback" not in log, log[-4000:]
     # Both workers of the relaunch restore the checkpoint of that step.
     assert sorted(re.findall(r"\[(worker \d)\] .*resumed from .*ckpt-(\d+) \(step \d+\)",
                              log)) == [("worker 0", str(step)), ("worker 1", str(step))]

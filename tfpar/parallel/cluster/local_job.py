@@ -241,8 +241,10 @@ class LocalJob:
                     preempted = True
                     pending.discard(task)
                     continue
-                if preempted and status == 0:
-                    status = 1  # a worker finished while the others stopped: not one job
+                if preempted and status == 0:  # the workers did not stop together
+                    self.emit(f"[launch] {task.name} exited with status 0 while the others "
+                              "stopped for a preemption; stopping the job")
+                    return Outcome(1)
                 if status != 0 or not task.finishes:
                     what = describe_status(status) if status else "exited before the job finished"
                     done = self.restarted.get(task, 0)
