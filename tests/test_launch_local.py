@@ -253,7 +253,6 @@ def test_sigterm_to_one_worker_stops_every_worker_after_the_same_step(
     os.kill(job.pid("worker 1"), signal.SIGTERM)
     assert job.finish() == 0, job.log[-4000:]
     log = job.log
-    (tmp_path / "launch.log").write_text(log)
     stopped = re.findall(r"\[(worker \d)\] error: preempted: (.*?); every worker stopped "
                          r"after step (\d+) and the checkpoint", log)
     assert sorted(w for w, _, _ in stopped) == ["worker 0", "worker 1"], log[-4000:]

@@ -92,10 +92,11 @@ class Loop:
         self.stopped_early = False
         self.check_early_stop()
         checkpointer.before_save = self.store_carry
-        self.stop_signal = StopSignal()
         # A multi-worker job's cluster (None: one process): a stop signal then stops
         # every worker after the same call (tfpar.training.preemption), not this one.
         self.cluster_resolver = cluster_resolver
+        self.stop_signal = StopSignal() if cluster_resolver is None else StopSignal(
+            "every worker of the job stops after the same step, agreed on now")
         self.together: StopTogether | None = None
         self.bar = ProgressHook() if config.run.progress else None
         self.hooks = [SummaryHook(writer, config.run.log_every),
@@ -492,15 +493,16 @@ class StopSignal:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
+    def __init__(self, then: str = "stopping after this step"):
         self.received: str | None = None
+        self.then = then  # what the warning on the first signal says happens next
         self._previous = {}
 
     def _handle(self, signum, frame):
         if self.received:
             raise KeyboardInterrupt
         self.received = signal.Signals(signum).name
-        log.warning("%s received: stopping after this step", self.received)
+        log.warning("%s received: %s", self.received, self.then)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
