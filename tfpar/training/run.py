@@ -11,7 +11,9 @@ plug-in, not a change here. A run:
    checkpoint of ``model_dir`` if there is one (step, epoch, position in the epoch,
    optimizer slots, RNG state);
 4. trains epoch by epoch (``epoch`` picks the shuffle, so a resumed epoch replays the same
-   batches and skips the ones already trained), evaluating valid after each epoch;
+   batches and skips the ones already trained), evaluating valid after each epoch; a stop
+   signal checkpoints and ends the run (exit 130), under multi_worker on every worker
+   after the same step (exit 75, ``tfpar.training.preemption``);
 5. evaluates test, exports a SavedModel and writes the metrics JSON.
 """
 
