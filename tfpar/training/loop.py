@@ -140,6 +140,8 @@ class Loop:
                 if self.done() and int(self.state.batch_in_epoch.numpy()) != 0:
                     break
                 self.end_epoch(epoch)
+            if self.together is not None:
+                self.together.close()
             self.checkpointer.save(self.step)
         return self.progress
 

@@ -65,5 +65,12 @@ class StopTogether:
         its own signal waits until every worker has learnt the agreed call)."""
         self.handler.save_checkpoint_if_preempted()
 
+    def close(self) -> None:
+        """Once training has ended without a stop: ends the handler's threads (each
+        worker posts "no stop" for the call key its peers' watchers wait on). Left
+        running, a watcher still waiting when the chief's coordination service goes
+        away at exit would fail with a traceback."""
+        self.handler.__del__()  # the handler's own clean-up, idempotent
+
     def _exit(self):
         raise self.error()
