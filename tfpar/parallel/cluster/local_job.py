@@ -3,9 +3,9 @@
 :func:`plan_job` lays out the tasks of a local ``multi_worker`` or ``parameter_server``
 job on free loopback ports; :class:`LocalJob` runs them as child processes, each with its
 own ``TF_CONFIG`` (see :mod:`tfpar.parallel.cluster.tf_config`), its output prefixed with
-its task; :func:`run_job` restarts the whole job after a failure or a preemption. The last functions turn
-``train.py`` flags into the command every task runs. Used by ``scripts/launch_local.py``
-and ``scripts/verify_parallel.py``.
+its task; :func:`run_job` restarts the whole job after a failure or a preemption. The
+last functions turn ``train.py`` flags into the command every task runs. Used by
+``scripts/launch_local.py`` and ``scripts/verify_parallel.py``.
 """
 
 from __future__ import annotations
