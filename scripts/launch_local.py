@@ -19,10 +19,16 @@ task fails every other one is stopped and the exit status is non-zero; with
 --restarts K the whole job is started again, up to K times, and resumes from the
 checkpoints in --model-dir (chosen here when not given, so every task and restart
 shares it; --checkpoint-every N bounds the steps a failure loses). A task exiting with
-status 2 (a usage error) is not restarted. A parameter_server worker that fails is
-started again alone, on its port (--worker-restarts times at most): the chief's
-coordinator re-schedules the steps it lost and uses it again once it is back, so the
-job goes on without a restart.
+status 2 (a usage error) is not restarted.
+
+multi_worker and stop signals: SIGTERM (or SIGINT) to any worker stops every worker
+after the same step; each saves the job's checkpoint of that step and exits with status
+75. The job is then restarted like a failed one (a restart of --restarts) and resumes
+from that step; with no restart left this script exits 75 and says to run it again.
+
+A parameter_server worker that fails is started again alone, on its port
+(--worker-restarts times at most): the chief's coordinator re-schedules the steps it
+lost and uses it again once it is back, so the job goes on without a restart.
 
 On a real cluster, run the same ``scripts/train.py`` flags on every machine with
 TF_CONFIG set by you (or your scheduler), e.g. for the second of two workers::
@@ -82,7 +88,7 @@ def main(argv=None) -> int:
     train_args = argv[split + 1:]
 
     from tfpar.errors import ClusterError
-    from tfpar.parallel.cluster.local_job import (flag_value, plan_job, run_job,
+    from tfpar.parallel.cluster.local_job import (PREEMPTED, flag_value, plan_job, run_job,
                                                   train_args_for_cluster, train_command)
     from tfpar.tools.cli import run_main
 
@@ -112,7 +118,12 @@ def main(argv=None) -> int:
                          restarts=args.restarts, env=env,
                          task_restarts=args.worker_restarts,
                          gpus_per_task=args.gpus_per_task)
-        if status:
+        if status == PREEMPTED:
+            print(f"error: the {strategy} job was preempted (status {status}): every worker "
+                  "stopped after the same step and its checkpoint is saved in "
+                  f"{flag_value(flags, '--model-dir')}; run the same command again to resume "
+                  "(--restarts K relaunches it by itself)", file=sys.stderr)
+        elif status:
             print(f"error: the {strategy} job failed (status {status}); see the log above",
                   file=sys.stderr)
         return status

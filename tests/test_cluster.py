@@ -12,7 +12,8 @@ import pytest
 
 from tfpar.parallel.cluster.tf_config import (PortReservation, check_jobs, check_port_free,
                                               parse_tf_config, require_cluster)
-from tfpar.parallel.cluster.local_job import flag_value, plan_job, run_job, train_args_for_cluster
+from tfpar.parallel.cluster.local_job import (PREEMPTED, LocalJob, flag_value, plan_job, run_job,
+                                              train_args_for_cluster)
 from tfpar.errors import ClusterError
 
 MW = {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}
@@ -291,6 +292,51 @@ def test_restarts_run_the_whole_job_again(tmp_path):
     marker.unlink()
     assert run_job(lambda: plan_job("multi_worker", workers=2),
                    python_tasks(scripts), restarts=0, out=io.StringIO()) == 1
+
+
+def test_a_preempted_job_waits_for_every_worker_then_is_relaunched_or_ends_75(tmp_path):
+    """Worker 1 exits 75 at once, worker 0 (still saving, say) a moment later: the launcher
+    does not stop worker 0 but waits for its 75 too, then relaunches the job (a restart
+    of --restarts), or, with none left, returns 75."""
+    marker = tmp_path / "preempted-once"
+    later = (f"import os, time\nif not os.path.exists({str(marker)!r}):\n"
+             f"    time.sleep(1); open({str(marker)!r}, 'w').close(); raise SystemExit(75)")
+    first = f"import os\nif not os.path.exists({str(marker)!r}): raise SystemExit(75)"
+    scripts = {"worker 0": later, "worker 1": first}
+    out = io.StringIO()
+    assert run_job(lambda: plan_job("multi_worker", workers=2), python_tasks(scripts),
+                   restarts=1, out=out) == 0
+    lines = [line for line in out.getvalue().splitlines() if not line.startswith("[launch] started")]
+    assert lines == [
+        f"[launch] worker 1 stopped for a preemption (status {PREEMPTED}), its checkpoint "
+        "saved; waiting for the other workers to stop after the same step",
+        f"[launch] worker 0 stopped for the preemption too (status {PREEMPTED})",
+        "[launch] restarting the whole job (restart 1 of 1): it resumes from the step every "
+        "worker saved at the preemption"]
+    marker.unlink()
+    assert run_job(lambda: plan_job("multi_worker", workers=2), python_tasks(scripts),
+                   restarts=0, out=io.StringIO()) == PREEMPTED
+
+
+def test_a_worker_that_goes_on_after_a_preemption_fails_the_job(tmp_path):
+    """Worker 1 exits 75; worker 0 neither stops within ``drain`` seconds (it is stopped)
+    nor may it finish with 0 instead: either way the job failed (status 1)."""
+    forever = "import time; time.sleep(600)"
+    for worker0, drain, said in ((forever, 0.5, "[launch] worker 0 did not stop within 0.5 s "
+                                  "of the preemption; stopping the job"),
+                                 ("import time; time.sleep(1)", 60.0,
+                                  "[launch] worker 0 exited with status 0 while the others "
+                                  "stopped for a preemption; stopping the job")):
+        out = io.StringIO()
+        job = LocalJob(plan_job("multi_worker", workers=2),
+                       python_tasks({"worker 0": worker0, "worker 1": "raise SystemExit(75)"}),
+                       out=out, drain=drain)
+        try:
+            job.start()
+            assert job.wait().status == 1
+        finally:
+            job.plan.release()
+        assert said in out.getvalue().splitlines(), out.getvalue()
 
 
 def test_a_usage_error_is_not_restarted():

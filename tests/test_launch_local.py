@@ -1,7 +1,8 @@
 """scripts/launch_local.py: usage errors, and real clusters that survive SIGKILLed tasks:
 a multi_worker worker (job restart, resume from the last checkpoint, same steps), a
 parameter_server worker (started again alone, its steps re-scheduled), ps task and chief
-(job restart and resume)."""
+(job restart and resume); and a multi_worker job whose workers all stop after one step
+when any of them gets SIGTERM (a preemption), then resume from that step."""
 
 import json
 import os
@@ -66,6 +67,23 @@ def test_a_given_port_that_is_taken_is_refused(capsys):
     assert capsys.readouterr().err.strip() == (
         f"error: port {port} of worker 0 127.0.0.1:{port} is already in use; stop the process "
         "holding it or give this task another port")
+
+
+def test_a_preempted_job_with_no_restart_left_says_to_run_again(tmp_path, monkeypatch,
+                                                                capsys):
+    """Every worker exited 75 (stopped after one step, checkpoint saved) and --restarts is
+    used up: the launcher exits 75 with one line saying where the checkpoint is and to run
+    the same command again. (The job itself: run_job's test in test_cluster.)"""
+    from tfpar.parallel.cluster import local_job
+
+    monkeypatch.setattr(local_job, "run_job", lambda *args, **kwargs: local_job.PREEMPTED)
+    model_dir = tmp_path / "run"
+    assert load_launcher().main(["--workers", "2", "--", "--strategy", "multi_worker",
+                                 "--model-dir", str(model_dir)]) == 75
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: the multi_worker job was preempted (status 75): every worker stopped after "
+        f"the same step and its checkpoint is saved in {model_dir}; run the same command again "
+        "to resume (--restarts K relaunches it by itself)"]
 
 
 def test_train_flags_are_required(capsys):
@@ -161,13 +179,45 @@ def iterations(tmp_path) -> int:
     return int(reader.get_tensor("optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"))
 
 
+# The 2-worker job the multi_worker fault tests run (60 steps from a folder of 4 train
+# shards, 2 for each worker), and its run uninterrupted, which they must end equal to.
+MW_STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_multi_worker(tmp_path_factory):
+    """The folder of an uninterrupted 2-worker run of MW_STEPS steps: its ``corpus``
+    (the shards every such test trains on), ``run`` (model dir) and ``m.json``."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    shards = write_sharded_corpus(folder / "corpus")
+    ref = Launched(folder, ["--workers", "2"],
+                   small_run(folder, "multi_worker", MW_STEPS, 5, data=shards))
+    assert ref.finish() == 0, ref.log[-4000:]
+    return folder
+
+
+def assert_ends_as_uninterrupted(tmp_path, ref_dir) -> None:
+    """Every checkpointed tensor (weights, Adam's slots, step and input counters) and
+    the final metrics of the run in ``tmp_path`` equal the uninterrupted run's, bit for
+    bit. (That multi_worker learns what one device learns is test_multi_worker's verify
+    check.)"""
+    comparison = compare_tensors(checkpoint_tensors(str(tmp_path / "run")),
+                                 checkpoint_tensors(str(ref_dir / "run")))
+    assert comparison.exact, comparison.describe()
+    m = json.loads((tmp_path / "m.json").read_text())
+    want = json.loads((ref_dir / "m.json").read_text())
+    assert {k: m[k] for k in ("steps", "valid_ppl", "test_ppl")} == \
+        {k: want[k] for k in ("steps", "valid_ppl", "test_ppl")}
+
+
 @pytest.mark.cluster
-def test_a_killed_worker_is_restarted_and_the_run_completes(tmp_path):
+def test_a_killed_worker_is_restarted_and_the_run_completes(tmp_path,
+                                                            uninterrupted_multi_worker):
     """Trained from a folder of 4 train shards, 2 for each worker. The kill comes once
     the first checkpoint (step 5) exists, 55 steps before the end: a second or more of
     2-worker steps, against 50 ms between two polls of the state file."""
-    max_steps, every = 60, 5
-    shards = write_sharded_corpus(tmp_path / "corpus")
+    max_steps, every = MW_STEPS, 5
+    shards = uninterrupted_multi_worker / "corpus"
     job = Launched(tmp_path, ["--workers", "2", "--restarts", "1"],
                    small_run(tmp_path, "multi_worker", max_steps, every, data=shards))
     wait_for(checkpoint(tmp_path, every), "the first checkpoint", 300)
@@ -184,21 +234,44 @@ def test_a_killed_worker_is_restarted_and_the_run_completes(tmp_path):
     m = json.loads((tmp_path / "m.json").read_text())
     assert (m["strategy"], m["workers"], m["replicas"], m["steps"]) == \
         ("multi_worker", 2, 2, max_steps)
+    assert_ends_as_uninterrupted(tmp_path, uninterrupted_multi_worker)
 
-    # The same 2-worker job, uninterrupted: every checkpointed tensor (weights, Adam's
-    # slots, step and input counters) and the final metrics are the same, bit for bit.
-    # (That multi_worker learns what one device learns is test_multi_worker's verify check.)
-    ref_dir = tmp_path / "uninterrupted"
-    ref_dir.mkdir()
-    ref = Launched(ref_dir, ["--workers", "2"],
-                   small_run(ref_dir, "multi_worker", max_steps, every, data=shards))
-    assert ref.finish() == 0, ref.log[-4000:]
-    comparison = compare_tensors(checkpoint_tensors(str(tmp_path / "run")),
-                                 checkpoint_tensors(str(ref_dir / "run")))
-    assert comparison.exact, comparison.describe()
-    want = json.loads((ref_dir / "m.json").read_text())
-    assert {k: m[k] for k in ("steps", "valid_ppl", "test_ppl")} == \
-        {k: want[k] for k in ("steps", "valid_ppl", "test_ppl")}
+
+@pytest.mark.cluster
+def test_sigterm_to_one_worker_stops_every_worker_after_the_same_step(
+        tmp_path, uninterrupted_multi_worker):
+    """SIGTERM to worker 1 once the periodic checkpoint of step 10 exists: both workers
+    stop after one agreed step N > 10, both exit 75, the launcher relaunches the job
+    (--restarts 1), both workers resume from the checkpoint of N, and the run ends equal
+    to the uninterrupted one. (The launcher's side with fake tasks, and its message when
+    no restart is left: test_cluster.)"""
+    every = 10  # a preemption step on a multiple of 10 finds it saved already
+    job = Launched(tmp_path, ["--workers", "2", "--restarts", "1"],
+                   small_run(tmp_path, "multi_worker", MW_STEPS, every,
+                             data=uninterrupted_multi_worker / "corpus"))
+    wait_for(checkpoint(tmp_path, every), "the checkpoint of step 10", 300)
+    os.kill(job.pid("worker 1"), signal.SIGTERM)
+    assert job.finish() == 0, job.log[-4000:]
+    log = job.log
+    stopped = re.findall(r"\[(worker \d)\] error: preempted: (.*?); every worker stopped "
+                         r"after step (\d+) and the checkpoint", log)
+    assert sorted(w for w, _, _ in stopped) == ["worker 0", "worker 1"], log[-4000:]
+    assert dict((w, who) for w, who, _ in stopped) == {
+        "worker 0": "a stop signal reached another worker",
+        "worker 1": "SIGTERM reached this worker"}
+    steps = {int(n) for _, _, n in stopped}
+    assert len(steps) == 1, stopped  # the same step on both workers
+    step = steps.pop()
+    assert every < step < MW_STEPS
+    assert re.search(r"\[launch\] worker \d stopped for a preemption \(status 75\)", log)
+    assert re.search(r"\[launch\] worker \d stopped for the preemption too \(status 75\)", log)
+    assert ("[launch] restarting the whole job (restart 1 of 1): it resumes from the step "
+            "every worker saved at the preemption") in log
+    assert "Traceback" not in log, log[-4000:]
+    # Both workers of the relaunch restore the checkpoint of that step.
+    assert sorted(re.findall(r"\[(worker \d)\] .*resumed from .*ckpt-(\d+) \(step \d+\)",
+                             log)) == [("worker 0", str(step)), ("worker 1", str(step))]
+    assert_ends_as_uninterrupted(tmp_path, uninterrupted_multi_worker)
 
 
 @pytest.mark.cluster

@@ -31,7 +31,7 @@ def test_a_run_without_model_dir_logs_the_one_it_made_and_how_to_resume(tiny_arg
 def test_the_stop_message_names_the_model_dir_when_none_was_given(given, again):
     saved = []
     loop = types.SimpleNamespace(
-        stop_signal=types.SimpleNamespace(received="SIGTERM"), step=7,
+        stop_signal=types.SimpleNamespace(received="SIGTERM"), step=7, together=None,
         checkpointer=types.SimpleNamespace(directory="runs/x/checkpoints", save=saved.append),
         config=types.SimpleNamespace(run=types.SimpleNamespace(model_dir=given)))
     with pytest.raises(Interrupted) as stop:

@@ -41,3 +41,15 @@ class Interrupted(TfparError):
     """SIGINT or SIGTERM stopped training after a step; a checkpoint was written."""
 
     exit_code = 130
+
+
+class Preempted(Interrupted):
+    """SIGTERM or SIGINT reached a worker of a multi-worker job: every worker stopped
+    after the same step and the job's checkpoint of that step was written.
+
+    Every worker exits with status 75 (``EX_TEMPFAIL`` of sysexits.h, "try again
+    later"): the job was not done and lost nothing; the same command run again resumes
+    from that step. A scheduler or launcher may relaunch the job on this status.
+    """
+
+    exit_code = 75

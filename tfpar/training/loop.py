@@ -21,11 +21,12 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tfpar.errors import Interrupted, TrainingError
+from tfpar.errors import Interrupted, Preempted, TrainingError
 from tfpar.model.precision import loss_scaled
 from tfpar.objective.losses import perplexity
 from tfpar.objective.step import run_steps
 from tfpar.training.hooks import CheckpointHook, ProgressHook, Record, SummaryHook
+from tfpar.training.preemption import StopTogether
 from tfpar.training.schedule import applied_learning_rate
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class Loop:
     """Epochs of synchronous steps; see the module docstring."""
 
     def __init__(self, config, plugin, data, state, checkpointer, writer, train_step,
-                 eval_step, train_steps=None):
+                 eval_step, train_steps=None, *, cluster_resolver=None):
         self.config, self.plugin, self.data, self.state = config, plugin, data, state
         self.loss_scaled = loss_scaled(config.model.precision)
         self.checkpointer, self.writer = checkpointer, writer
@@ -96,7 +97,12 @@ class Loop:
         self.stopped_early = False
         self.check_early_stop()
         checkpointer.before_save = self.store_carry
-        self.stop_signal = StopSignal()
+        # A multi-worker job's cluster (None: one process): a stop signal then stops
+        # every worker after the same call (tfpar.training.preemption), not this one.
+        self.cluster_resolver = cluster_resolver
+        self.stop_signal = StopSignal() if cluster_resolver is None else StopSignal(
+            "every worker of the job stops after the same step, agreed on now")
+        self.together: StopTogether | None = None
         self.bar = ProgressHook() if config.run.progress else None
         self.hooks = [SummaryHook(writer, config.run.log_every),
                       CheckpointHook(checkpointer, config.run.checkpoint_every)]
@@ -126,6 +132,11 @@ class Loop:
 
     def run(self) -> Progress:
         with self.stop_signal:
+            if self.cluster_resolver is not None:
+                self.together = StopTogether(
+                    self.cluster_resolver, self.stop_signal,
+                    save=lambda: self.checkpointer.save(self.step), error=self.preempted,
+                    checkpoint_dir=self.checkpointer.directory)
             cfg = self.config.train
             while int(self.state.epoch.numpy()) < cfg.epochs and not self.done():
                 epoch = int(self.state.epoch.numpy())
@@ -134,6 +145,8 @@ class Loop:
                 if self.done() and int(self.state.batch_in_epoch.numpy()) != 0:
                     break
                 self.end_epoch(epoch)
+            if self.together is not None:
+                self.together.close()
             self.checkpointer.save(self.step)
         return self.progress
 
@@ -355,6 +368,12 @@ class Loop:
         self.carrying = carried_in
 
     def check_stop_signal(self) -> None:
+        """After every train call: a stop signal checkpoints this step and raises
+        Interrupted; in a multi-worker job every worker does so after the same call,
+        raising Preempted, whichever worker got the signal."""
+        if self.together is not None:
+            self.together.check()
+            return
         if self.stop_signal.received:
             self.checkpointer.save(self.step)
             # The default model dir is new for every run: then the same command would not
@@ -366,6 +385,18 @@ class Loop:
                 f"saved in {self.checkpointer.directory}; run the same command {again} to "
                 "resume"
             )
+
+    def preempted(self) -> Preempted:
+        """The error every worker of a multi-worker job raises at the agreed step."""
+        who = (f"{self.stop_signal.received} reached this worker" if self.stop_signal.received
+               else "a stop signal reached another worker")
+        again = ("again" if self.config.run.model_dir else
+                 f"with --model-dir {os.path.dirname(self.checkpointer.directory)}")
+        return Preempted(
+            f"preempted: {who}; every worker stopped after step {self.step} and the "
+            f"checkpoint of that step is saved in {self.checkpointer.directory}; run the "
+            f"same command {again} on every worker to resume (exit status "
+            f"{Preempted.exit_code})")
 
     def non_finite(self, step: int, nll: float, norm: float, position: int) -> None:
         """A batch (the ``position``-th of its epoch) gave a non-finite loss or gradient;
@@ -481,15 +512,16 @@ class StopSignal:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
+    def __init__(self, then: str = "stopping after this step"):
         self.received: str | None = None
+        self.then = then  # what the warning on the first signal says happens next
         self._previous = {}
 
     def _handle(self, signum, frame):
         if self.received:
             raise KeyboardInterrupt
         self.received = signal.Signals(signum).name
-        log.warning("%s received: stopping after this step", self.received)
+        log.warning("%s received: %s", self.received, self.then)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():

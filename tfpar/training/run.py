@@ -11,7 +11,9 @@ plug-in, not a change here. A run:
    checkpoint of ``model_dir`` if there is one (step, epoch, position in the epoch,
    optimizer slots, RNG state);
 4. trains epoch by epoch (``epoch`` picks the shuffle, so a resumed epoch replays the same
-   batches and skips the ones already trained), evaluating valid after each epoch;
+   batches and skips the ones already trained), evaluating valid after each epoch; a stop
+   signal checkpoints and ends the run (exit 130), under multi_worker on every worker
+   after the same step (exit 75, ``tfpar.training.preemption``);
 5. evaluates test, exports a SavedModel and writes the metrics JSON.
 """
 
@@ -187,8 +189,11 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
         plugin.make_train_steps(state.model, state.optimizer, clip_norm=config.train.clip_norm)
         if (config.train.steps_per_execution or 1) > 1 else None,
         lambda: state.step + 1, config.run.profile_steps)
+    # multi_worker: a stop signal on any worker stops every worker after the same step.
+    together = plugin.num_workers > 1 and not asynchronous
     loop = loop_class(config, plugin, data, state, ckpt, writer, train_step, eval_step,
-                      train_steps)
+                      train_steps,
+                      cluster_resolver=plugin.strategy.cluster_resolver if together else None)
     progress = loop.run()
 
     last_step = state.step

@@ -3,9 +3,9 @@
 :func:`plan_job` lays out the tasks of a local ``multi_worker`` or ``parameter_server``
 job on free loopback ports; :class:`LocalJob` runs them as child processes, each with its
 own ``TF_CONFIG`` (see :mod:`tfpar.parallel.cluster.tf_config`), its output prefixed with
-its task; :func:`run_job` restarts the whole job after a failure. The last functions turn
-``train.py`` flags into the command every task runs. Used by ``scripts/launch_local.py``
-and ``scripts/verify_parallel.py``.
+its task; :func:`run_job` restarts the whole job after a failure or a preemption. The
+last functions turn ``train.py`` flags into the command every task runs. Used by
+``scripts/launch_local.py`` and ``scripts/verify_parallel.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import threading
 from typing import Callable, Mapping, Sequence, TextIO
 
-from tfpar.errors import ClusterError
+from tfpar.errors import ClusterError, Preempted
 from tfpar.parallel.cluster.tf_config import (CLUSTER_STRATEGIES, JOBS, LOOPBACK,
                                               PortReservation, check_port_free, tf_config_json)
 
@@ -130,11 +130,17 @@ def plan_job(strategy: str, *, workers: int, ps: int = 0,
     return JobPlan(tasks, {job: tuple(a) for job, a in cluster.items()}, reservation)
 
 
+# The status of a task that stopped for a stop signal together with every other worker
+# of a multi_worker job, the job's checkpoint of that step saved (tfpar.errors.Preempted).
+PREEMPTED = Preempted.exit_code
+
+
 @dataclasses.dataclass
 class Outcome:
     """How one attempt of a job ended."""
 
-    # 0: every finishing task exited 0; otherwise the first failed task's status.
+    # 0: every finishing task exited 0; PREEMPTED: every one exited PREEMPTED;
+    # otherwise the first failed task's status.
     status: int
 
     @property
@@ -161,13 +167,16 @@ class LocalJob:
     server exits early): then every other task is stopped (SIGTERM, then SIGKILL after
     ``grace`` seconds). A restartable task (a parameter-server worker) that fails is
     started again alone, on its address, up to ``task_restarts`` times per job; only
-    then does its failure end the job.
+    then does its failure end the job. A task that exits PREEMPTED stopped together with
+    the others, which are saving the same checkpoint: they get ``drain`` seconds to exit
+    PREEMPTED too before they are stopped.
     """
 
     def __init__(self, plan: JobPlan, command: Callable[[Task], list[str]], *,
                  out: TextIO | None = None, env: Mapping[str, str] | None = None,
-                 grace: float = 10.0, task_restarts: int = 3, gpus_per_task: int = 0):
-        self.plan, self.command, self.grace = plan, command, grace
+                 grace: float = 10.0, task_restarts: int = 3, gpus_per_task: int = 0,
+                 drain: float = 60.0):
+        self.plan, self.command, self.grace, self.drain = plan, command, grace, drain
         self.gpus_per_task = gpus_per_task
         self.task_restarts = task_restarts
         self.restarted: dict[Task, int] = {}
@@ -212,9 +221,30 @@ class LocalJob:
     def wait(self) -> Outcome:
         """Blocks until the job succeeds or a task fails; every task is stopped on return."""
         pending = {t for t in self.plan.tasks if t.finishes}
+        preempted = False
         try:
             while pending:
-                task, status = self._events.get()
+                try:
+                    task, status = self._events.get(timeout=self.drain if preempted else None)
+                except queue.Empty:
+                    self.emit(f"[launch] {', '.join(sorted(t.name for t in pending))} did not "
+                              f"stop within {self.drain:g} s of the preemption; stopping the job")
+                    return Outcome(1)
+                if status == PREEMPTED and task.finishes:
+                    if not preempted:
+                        self.emit(f"[launch] {task.name} stopped for a preemption (status "
+                                  f"{PREEMPTED}), its checkpoint saved; waiting for the other "
+                                  "workers to stop after the same step")
+                    else:
+                        self.emit(f"[launch] {task.name} stopped for the preemption too "
+                                  f"(status {PREEMPTED})")
+                    preempted = True
+                    pending.discard(task)
+                    continue
+                if preempted and status == 0:  # the workers did not stop together
+                    self.emit(f"[launch] {task.name} exited with status 0 while the others "
+                              "stopped for a preemption; stopping the job")
+                    return Outcome(1)
                 if status != 0 or not task.finishes:
                     what = describe_status(status) if status else "exited before the job finished"
                     done = self.restarted.get(task, 0)
@@ -228,7 +258,7 @@ class LocalJob:
                     self.emit(f"[launch] {task.name} {what}; stopping the job")
                     return Outcome(status if status else 1)
                 pending.discard(task)
-            return Outcome(0)
+            return Outcome(PREEMPTED if preempted else 0)
         finally:
             self.stop()
 
@@ -256,6 +286,10 @@ def run_job(make_plan: Callable[[], JobPlan], command: Callable[[Task], list[str
     A restartable task (a parameter-server worker) is first started again alone, up to
     ``task_restarts`` times per attempt (see :class:`LocalJob`).
 
+    A job whose workers all stopped for a preemption (status PREEMPTED, the checkpoint of
+    one step saved) is restarted the same way, resuming from that step, and counts as
+    one of the ``restarts``.
+
     ``gpus_per_task`` > 0 gives each computing task that many GPUs of its own
     (``CUDA_VISIBLE_DEVICES``, :meth:`JobPlan.gpus`).
 
@@ -264,13 +298,16 @@ def run_job(make_plan: Callable[[], JobPlan], command: Callable[[Task], list[str
     the job at once: a restart would fail the same way.
 
     Returns:
-      0 on success, else the failed task's status (1 for a signal or an early server exit).
+      0 on success, PREEMPTED when the last attempt was preempted, else the failed task's
+      status (1 for a signal or an early server exit).
     """
     for attempt in range(restarts + 1):
         job = LocalJob(make_plan(), command, out=out, env=env, task_restarts=task_restarts,
                        gpus_per_task=gpus_per_task)
         if attempt:
-            job.emit(f"[launch] restarting the whole job (restart {attempt} of {restarts})")
+            job.emit(f"[launch] restarting the whole job (restart {attempt} of {restarts})"
+                     + (": it resumes from the step every worker saved at the preemption"
+                        if outcome.status == PREEMPTED else ""))
         try:
             job.start()
             outcome = job.wait()
