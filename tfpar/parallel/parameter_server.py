@@ -54,7 +54,7 @@ import os
 import tensorflow as tf
 
 from tfpar.config import DistConfig
-from tfpar.errors import ClusterError, ConfigError
+from tfpar.errors import ClusterError, ConfigError, command
 from tfpar.model.lm import detached_copy
 from tfpar.objective import losses, step
 from tfpar.objective.step import StepOutput
@@ -374,7 +374,7 @@ def _cluster(dist: DistConfig) -> ClusterConfig:
         flag = f"--devices {','.join(dist.devices)}" if dist.devices else \
             f"--cpu-devices {dist.cpu_devices}"
         raise ConfigError(f"{flag}: parameter_server runs each step on one worker's GPU or "
-                          "CPU; add workers (launch_local.py --workers N) instead")
+                          f"CPU; add workers instead: {command('tfpar-launch', '--workers N')}")
     # Fail fast instead of hanging when a worker or ps task is gone (TF's recommendation).
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
     return config

@@ -1,4 +1,4 @@
-"""Command-line plumbing shared by the scripts: flags → Config, logging, error handling.
+"""Command-line plumbing shared by the commands: flags → Config, logging, error handling.
 
 Nothing here imports TensorFlow at module level (the imports of tfpar's TF modules sit in
 the functions that need them): scripts must set TF's log level before TensorFlow is
@@ -237,9 +237,9 @@ def add_output_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("-v", "--verbose", action="store_true", help="TensorFlow's own logs too")
 
 
-def train_parser() -> argparse.ArgumentParser:
+def train_parser(prog: str = "tfpar-train") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="train.py",
+        prog=prog,
         description="Train an RNN language model on one or many devices, evaluate it, "
                     "write TensorBoard events and export a SavedModel.",
         # No abbreviations: a preset merges with the flags given by their full names, so
@@ -405,10 +405,11 @@ def run_main(body: Callable[[], int | None]) -> int:
         return 130
 
 
-def train_main(argv: Sequence[str] | None = None) -> int:
-    """``scripts/train.py``: flags (over ``--preset``) → Config → ``train_and_evaluate``."""
+def train_main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """``tfpar-train``: flags (over ``--preset``) → Config → ``train_and_evaluate``;
+    ``prog`` names the command in usage lines (default ``tfpar-train``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = train_parser()
+    parser = train_parser(prog or "tfpar-train")
     args = parser.parse_args(argv)
     setup_logging(args.verbose or args.log_device_placement)
 
