@@ -7,7 +7,8 @@ run's model dir.
 ``--model``: scores every sentence with the SavedModel's ``score`` signature (what a
 served model computes; a sentence longer than the run's --max-length is scored whole).
 ``--model-dir``: rebuilds the model from the run's config.json, vocab.txt and latest
-checkpoint and evaluates it exactly as training does (``tfpar.training.run.evaluate``),
+checkpoint (``--weights best``: the best epoch's, in best/) and evaluates it exactly as
+training does (``tfpar.training.run.evaluate``),
 distributed over --strategy / --cpu-devices if asked. Either way perplexity is
 exp(total nll / total tokens) over the whole split.
 """
@@ -17,13 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from typing import Sequence
 
 from tfpar.config import Config, DataConfig
-from tfpar.errors import CheckpointError, ConfigError
+from tfpar.errors import ConfigError
 from tfpar.tools import cli
+from tfpar.tools.model_dir import (add_weights_flag, check_weights, checkpoint_path,
+                                   restore_weights, stored_run)
 
 SPLITS = ("train", "valid", "test")
 DESCRIPTION = ("Perplexity of a corpus split, from a SavedModel or from a training run's "
@@ -50,6 +52,7 @@ def parser(prog: str = "tfpar-evaluate") -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0,
                    help="--model with synthetic data: the training run's --seed")
     p.add_argument("--split", default="valid", choices=SPLITS, help="(default: %(default)s)")
+    add_weights_flag(p)
     p.add_argument("--batch-size", type=int, default=0,
                    help="global eval batch (default: the run's, or 64 with --model)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -58,25 +61,9 @@ def parser(prog: str = "tfpar-evaluate") -> argparse.ArgumentParser:
     return p
 
 
-def stored_run(model_dir: str) -> tuple[Config, str]:
-    """The run's config and the path of its vocabulary; CheckpointError if not a run."""
-    from tfpar.training.checkpoints import CONFIG_FILE
-
-    path = os.path.join(model_dir, CONFIG_FILE)
-    vocab = os.path.join(model_dir, "vocab.txt")
-    if not os.path.isdir(model_dir):
-        raise CheckpointError(f"--model-dir {model_dir!r} does not exist; give a training "
-                              "run's model dir")
-    for needed in (path, vocab):
-        if not os.path.isfile(needed):
-            raise CheckpointError(f"--model-dir {model_dir!r} has no {os.path.basename(needed)};"
-                                  " give the model dir of a tfpar training run")
-    with open(path, encoding="utf-8") as f:
-        return Config.from_json(f.read()), vocab
-
-
 def evaluate_model_dir(args) -> dict:
-    """Rebuilds the run's model from its latest checkpoint and evaluates it like training."""
+    """Rebuilds the run's model from its ``--weights`` checkpoint and evaluates it like
+    training."""
     config, vocab_path = stored_run(args.model_dir)
     data_fields = {k: v for k, v in (("source", args.data), ("input_dir", args.input_dir))
                    if v is not None}
@@ -86,8 +73,6 @@ def evaluate_model_dir(args) -> dict:
     config = Config(data=config.data, model=config.model, train=config.train,
                     dist=cli.dist_config_from_args(args), run=config.run)
     cli.prepare_runtime(config.dist)  # Logical CPU devices: before TensorFlow starts.
-    import tensorflow as tf
-
     from tfpar.data.pipeline import InputData
     from tfpar.data.sources import load_corpus
     from tfpar.data.vocab import Vocab
@@ -95,10 +80,7 @@ def evaluate_model_dir(args) -> dict:
     from tfpar.training.loop import evaluate
     from tfpar.training.state import build_train_state
 
-    ckpt = tf.train.latest_checkpoint(os.path.join(args.model_dir, "checkpoints"))
-    if not ckpt:
-        raise CheckpointError(f"--model-dir {args.model_dir!r} has no checkpoint in "
-                              "checkpoints/; train it first")
+    ckpt = checkpoint_path(args.model_dir, args.weights)
     plugin = build_strategy(config.dist)
     batch = args.batch_size or config.train.global_eval_batch_size
     if batch < plugin.num_replicas:
@@ -108,13 +90,7 @@ def evaluate_model_dir(args) -> dict:
     state = build_train_state(plugin.scope(), config.model, len(vocab),
                               seed=config.train.seed, fixed_shapes=config.data.mode == "stream")
     model = state.model
-    try:
-        tf.train.Checkpoint(layers=state.trackables()["layers"]).restore(ckpt) \
-            .expect_partial().assert_existing_objects_matched()
-    except (AssertionError, ValueError, tf.errors.OpError) as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"checkpoint {ckpt!r} does not fit the model its config.json "
-                              f"describes: {reason}") from None
+    restore_weights(state.trackables()["layers"], ckpt)
     corpus = load_corpus(config.data, seed=config.train.seed)
     data = InputData(corpus.splits, vocab, config.data, seed=config.train.seed)
     nll, tokens = evaluate(plugin, plugin.make_eval_step(model), data, args.split, batch)
@@ -127,6 +103,7 @@ def evaluate_saved_model(args) -> dict:
     if args.strategy != "default" or args.cpu_devices or args.devices:
         raise ConfigError("--strategy, --devices and --cpu-devices apply to --model-dir only; "
                           "a SavedModel is scored on one device")
+    check_weights(args)
     sizes = cli._int_list("--synthetic-sentences", args.synthetic_sentences, 3)
     fractions = {} if args.split_fractions is None else {
         "split_fractions": cli.split_fractions(args.split_fractions)}

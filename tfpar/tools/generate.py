@@ -1,30 +1,41 @@
-"""``tfpar-generate``: continue prompts with an exported SavedModel.
+"""``tfpar-generate``: continue prompts with an exported SavedModel or a training run's
+weights.
 
     tfpar-generate --model saved_models/tfpar_lm --prompt "the cat" --seed 1
+    tfpar-generate --model-dir runs/mirrored-... --weights best --prompt "the cat" --seed 1
 
 Prints ``[prompt] continuation`` per prompt; a continuation runs over several lines when
-the model writes sentence ends (each ``<eos>`` is a line break). Only TensorFlow and the
-SavedModel's ``generate`` signature are used, so this is exactly what a served model
-returns.
+the model writes sentence ends (each ``<eos>`` is a line break). ``--model``: only
+TensorFlow and the SavedModel's ``generate`` signature are used, so this is exactly what
+a served model returns. ``--model-dir``: the run's model is rebuilt from its config.json
+and vocab.txt, its latest checkpoint (``--weights best``: the best epoch's) restored, and
+the same signature traced around it, so the text is what the export of those weights
+would generate with the same seed.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
 from tfpar.errors import ConfigError
 from tfpar.tools.cli import run_main, setup_logging
+from tfpar.tools.model_dir import add_weights_flag, check_weights, restored_model
 
-DESCRIPTION = "Continue prompts with an exported SavedModel."
+DESCRIPTION = "Continue prompts with an exported SavedModel or a training run's weights."
 
 
 def parser(prog: str = "tfpar-generate") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
-    p.add_argument("--model", required=True,
-                   help="a SavedModel version dir (saved_models/<name>/<version>) or its name "
-                        "dir (the highest version is used)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model",
+                       help="a SavedModel version dir (saved_models/<name>/<version>) or its "
+                            "name dir (the highest version is used)")
+    which.add_argument("--model-dir", help="a training run's model dir (config.json, "
+                                           "vocab.txt, checkpoints/, best/)")
+    add_weights_flag(p)
     p.add_argument("--prompt", action="append", default=None,
                    help="text to continue, split by the model's own tokenizer (words, or "
                         "characters for a char model); repeat for several (default: one "
@@ -51,6 +62,20 @@ def check(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} must be >= 0, got {value!r}")
     if not -2**31 <= args.seed < 2**31:
         raise ConfigError(f"--seed must fit in 32 bits, got {args.seed}")
+    check_weights(args)
+
+
+def model_dir_module(model_dir: str, weights: str):
+    """What the export of the run's ``weights`` would hold, in memory: a
+    :class:`~tfpar.serving.export.LanguageModelModule` around the restored model."""
+    import logging
+
+    from tfpar.serving.export import LanguageModelModule
+
+    model, vocab, path = restored_model(model_dir, weights)
+    logging.getLogger(__name__).info("weights: %s (%s)", path, weights)
+    return LanguageModelModule(model, os.path.join(model_dir, "vocab.txt"),
+                               tokenizer=vocab.tokenizer)
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
@@ -62,7 +87,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         check(args)
         from tfpar.serving import export
 
-        loaded, _ = export.load_saved_model(args.model)
+        if args.model_dir:
+            loaded = model_dir_module(args.model_dir, args.weights)
+        else:
+            loaded, _ = export.load_saved_model(args.model)
         prompts = args.prompt or [""]
         texts = export.generate_text(loaded, prompts, max_tokens=args.max_tokens,
                                      temperature=args.temperature, top_k=args.top_k,
