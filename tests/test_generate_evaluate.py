@@ -299,7 +299,7 @@ def two_exports(run, tmp_path_factory):
     and exported with its last weights (checkpoints/ at step K + 3, export version 2)."""
     tmp = tmp_path_factory.mktemp("two-exports")
     base = ["--data", run["corpus"], *PINNED, "--embed-dim", "16", "--hidden-dim", "16",
-            "--batch-size", "16", "--no-progress", "--model-dir", str(tmp / "run"),
+            "--batch-size", "40", "--no-progress", "--model-dir", str(tmp / "run"),
             "--export-dir", str(tmp / "export"), "--lr", "0.03"]
     assert train.main(base + ["--epochs", "1", "--metrics-json", str(tmp / "1.json")]) == 0
     first = json.loads((tmp / "1.json").read_text())

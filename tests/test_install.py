@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
@@ -91,7 +92,7 @@ def installed(tmp_path_factory):
                            cwd=work, env=env, check=True, capture_output=True, text=True,
                            timeout=60).stdout.strip()
     assert where == os.path.join(purelib, "tfpar", "tools", "commands.py")
-    return {"bin": bin_dir, "env": env, "work": work}
+    return {"bin": bin_dir, "env": env, "work": work, "wheel": wheel}
 
 
 def command(installed, name, *args, **kwargs) -> subprocess.Popen:
@@ -104,6 +105,20 @@ def finish(proc: subprocess.Popen, timeout=300) -> tuple[str, str]:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, f"{proc.args[0]}: status {proc.returncode}\n{out}\n{err}"
     return out, err
+
+
+def test_the_wheel_holds_the_package_its_commands_and_no_tfds_requirement(installed):
+    with zipfile.ZipFile(installed["wheel"]) as wheel:
+        names = wheel.namelist()
+        info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
+        metadata = wheel.read(f"{info}/METADATA").decode()
+        entry_points = wheel.read(f"{info}/entry_points.txt").decode()
+    assert all(n.startswith(("tfpar/", info + "/")) for n in names)  # no scripts/, tests/
+    assert sorted(re.findall(r"^(tfpar-\w+) = tfpar\.tools\.commands:\w+$", entry_points,
+                             re.M)) == sorted(COMMANDS)
+    requires = re.findall(r"^Requires-Dist: (.*)$", metadata, re.M)
+    tfds = [r for r in requires if r.startswith("tensorflow-datasets")]
+    assert tfds and all("extra ==" in r for r in tfds), requires  # only with [tfds], [test]
 
 
 def test_every_installed_command_works_outside_the_clone(installed):

@@ -3,7 +3,7 @@
 Tasks (``TF_CONFIG``, see ``tfpar.parallel.cluster``): ``ps`` tasks hold the variables, ``worker``
 tasks compute steps, and the ``chief`` is the coordinator: it runs the training loop,
 schedules steps, evaluates and writes checkpoints, events, metrics and the export.
-Worker and ps processes run ``scripts/train.py`` too, with the same flags; they only
+Worker and ps processes run ``tfpar-train`` too, with the same flags; they only
 serve (:class:`ServerTask`, chosen before anything else is built) until they are stopped.
 
 Asynchrony. The coordinator queues steps (``coordinator.schedule``); whichever worker is
