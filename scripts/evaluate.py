@@ -1,170 +1,26 @@
 #!/usr/bin/env python3
-"""Perplexity of a corpus split, from a SavedModel or from a training run's model dir.
+"""Perplexity of a corpus split, from a SavedModel or a training run's model dir:
 
     python scripts/evaluate.py --model saved_models/tfpar_lm --data ptb --split test
     python scripts/evaluate.py --model-dir runs/mirrored-... --strategy mirrored --json
 
-``--model``: scores every sentence with the SavedModel's ``score`` signature (what a
-served model computes; a sentence longer than the run's --max-length is scored whole).
-``--model-dir``: rebuilds the model from the run's config.json, vocab.txt and latest
-checkpoint and evaluates it exactly as training does (``tfpar.training.run.evaluate``),
-distributed over --strategy / --cpu-devices if asked. Either way perplexity is
-exp(total nll / total tokens) over the whole split.
+The command lives in ``tfpar.tools.evaluate`` (installed as ``tfpar-evaluate``);
+this file runs it from a clone.
 """
 
-import argparse
-import json
-import math
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tfpar.tools import cli  # noqa: E402
-from tfpar.config import Config, DataConfig  # noqa: E402
-from tfpar.errors import CheckpointError, ConfigError  # noqa: E402
+from tfpar.tools.commands import COMMANDS, run, start  # noqa: E402  (no TensorFlow)
 
-SPLITS = ("train", "valid", "test")
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n")[0])
-    which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", help="a SavedModel version dir or its name dir (highest "
-                                       "version)")
-    which.add_argument("--model-dir", help="a training run's model dir (config.json, "
-                                           "vocab.txt, checkpoints/)")
-    p.add_argument("--data", default=None,
-                   help="corpus, as for train.py (default: the run's own with --model-dir, "
-                        "synthetic with --model)")
-    p.add_argument("--input-dir", default=None, help="folder of named corpora (default: "
-                                                     "the run's, else 'input')")
-    p.add_argument("--split-fractions", default=None, metavar="TRAIN,VALID,TEST",
-                   help="a one-file --data: the train,valid,test shares of its lines, as for "
-                        "train.py (default: the run's with --model-dir, else 0.9,0.05,0.05)")
-    p.add_argument("--synthetic-sentences", default="20000,2000,2000",
-                   help="--model with synthetic data: train,valid,test sentences")
-    p.add_argument("--seed", type=int, default=0,
-                   help="--model with synthetic data: the training run's --seed")
-    p.add_argument("--split", default="valid", choices=SPLITS, help="(default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=0,
-                   help="global eval batch (default: the run's, or 64 with --model)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    cli.add_distribution_flags(p)
-    p.add_argument("-v", "--verbose", action="store_true", help="TensorFlow's own logs too")
-    return p
-
-
-def stored_run(model_dir: str) -> tuple[Config, str]:
-    """The run's config and the path of its vocabulary; CheckpointError if not a run."""
-    from tfpar.training.checkpoints import CONFIG_FILE
-
-    import tensorflow as tf
-
-    from tfpar import files
-
-    path = os.path.join(model_dir, CONFIG_FILE)
-    vocab = os.path.join(model_dir, "vocab.txt")
-    files.check_file_system(model_dir, "--model-dir")
-    if not tf.io.gfile.isdir(model_dir):
-        raise CheckpointError(f"--model-dir {model_dir!r} does not exist; give a training "
-                              "run's model dir")
-    for needed in (path, vocab):
-        if not tf.io.gfile.exists(needed) or tf.io.gfile.isdir(needed):
-            raise CheckpointError(f"--model-dir {model_dir!r} has no {os.path.basename(needed)};"
-                                  " give the model dir of a tfpar training run")
-    return Config.from_json(files.read_text(path)), vocab
-
-
-def evaluate_model_dir(args) -> dict:
-    """Rebuilds the run's model from its latest checkpoint and evaluates it like training."""
-    config, vocab_path = stored_run(args.model_dir)
-    data_fields = {k: v for k, v in (("source", args.data), ("input_dir", args.input_dir))
-                   if v is not None}
-    if args.split_fractions is not None:
-        data_fields["split_fractions"] = cli.split_fractions(args.split_fractions)
-    config = config.replace(data=data_fields)
-    config = Config(data=config.data, model=config.model, train=config.train,
-                    dist=cli.dist_config_from_args(args), run=config.run)
-    cli.prepare_runtime(config.dist)  # Logical CPU devices: before TensorFlow starts.
-    import tensorflow as tf
-
-    from tfpar.data.pipeline import InputData
-    from tfpar.data.sources import load_corpus
-    from tfpar.data.vocab import Vocab
-    from tfpar.parallel.registry import build_strategy
-    from tfpar.training.loop import evaluate
-    from tfpar.training.state import build_train_state
-
-    ckpt = tf.train.latest_checkpoint(os.path.join(args.model_dir, "checkpoints"))
-    if not ckpt:
-        raise CheckpointError(f"--model-dir {args.model_dir!r} has no checkpoint in "
-                              "checkpoints/; train it first")
-    plugin = build_strategy(config.dist)
-    batch = args.batch_size or config.train.global_eval_batch_size
-    if batch < plugin.num_replicas:
-        raise ConfigError(f"--batch-size {batch} is smaller than the {plugin.num_replicas} "
-                          f"replicas of --strategy {plugin.name}; use >= {plugin.num_replicas}")
-    vocab = Vocab.load(vocab_path, tokenizer=config.data.tokenizer)
-    state = build_train_state(plugin.scope(), config.model, len(vocab),
-                              seed=config.train.seed, fixed_shapes=config.data.mode == "stream")
-    model = state.model
-    try:
-        tf.train.Checkpoint(layers=state.trackables()["layers"]).restore(ckpt) \
-            .expect_partial().assert_existing_objects_matched()
-    except (AssertionError, ValueError, tf.errors.OpError) as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"checkpoint {ckpt!r} does not fit the model its config.json "
-                              f"describes: {reason}") from None
-    corpus = load_corpus(config.data, seed=config.train.seed)
-    data = InputData(corpus.splits, vocab, config.data, seed=config.train.seed)
-    nll, tokens = evaluate(plugin, plugin.make_eval_step(model), data, args.split, batch)
-    return {"model": ckpt, "corpus": corpus.name, "strategy": plugin.name,
-            "replicas": plugin.num_replicas, "nll": nll, "tokens": tokens}
-
-
-def evaluate_saved_model(args) -> dict:
-    """Scores every sentence of the split with the SavedModel's ``score`` signature."""
-    if args.strategy != "default" or args.cpu_devices or args.devices:
-        raise ConfigError("--strategy, --devices and --cpu-devices apply to --model-dir only; "
-                          "a SavedModel is scored on one device")
-    sizes = cli._int_list("--synthetic-sentences", args.synthetic_sentences, 3)
-    fractions = {} if args.split_fractions is None else {
-        "split_fractions": cli.split_fractions(args.split_fractions)}
-    data = DataConfig(source=args.data or "synthetic", input_dir=args.input_dir or "input",
-                      synthetic_train=sizes[0], synthetic_valid=sizes[1],
-                      synthetic_test=sizes[2], **fractions)
-    from tfpar.serving import export
-    from tfpar.data.sources import load_corpus
-
-    loaded, version_dir = export.load_saved_model(args.model)
-    corpus = load_corpus(data, seed=args.seed)
-    nll, tokens = export.score_lines(loaded, corpus.splits[args.split], args.batch_size or 64)
-    return {"model": version_dir, "corpus": corpus.name, "nll": nll, "tokens": tokens}
+MODULE = COMMANDS["tfpar-evaluate"]
 
 
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
-    cli.setup_logging(args.verbose)
-
-    def body():
-        if args.batch_size < 0:
-            raise ConfigError(f"--batch-size must be >= 0, got {args.batch_size}")
-        result = evaluate_model_dir(args) if args.model_dir else evaluate_saved_model(args)
-        result["split"] = args.split
-        result["perplexity"] = math.exp(result["nll"] / result["tokens"])
-        if args.json:
-            print(json.dumps(result, indent=2, sort_keys=True))
-        else:
-            print(f"{args.split} perplexity {result['perplexity']:.3f} over "
-                  f"{result['tokens']:.0f} tokens ({result['model']})")
-
-    return cli.run_main(body)
+    return run(MODULE, argv, prog=Path(__file__).name)
 
 
 if __name__ == "__main__":
-    from tfpar.tools.console import quiet_native_logs  # noqa: E402
-
-    quiet_native_logs()  # before TensorFlow is imported
-    sys.exit(main())
+    sys.exit(start(MODULE))

@@ -1,135 +1,25 @@
 #!/usr/bin/env python3
-"""Start a TensorFlow cluster on this machine: real processes talking gRPC over 127.0.0.1.
+"""Start a TensorFlow cluster on this machine:
 
     python scripts/launch_local.py --workers 2 -- --strategy multi_worker --max-steps 300
-    python scripts/launch_local.py --workers 2 --ps 1 -- --strategy parameter_server
-    python scripts/launch_local.py --workers 2 --restarts 1 -- --strategy multi_worker \\
-        --model-dir runs/mw --checkpoint-every 50
 
-Everything after ``--`` is passed unchanged to every ``scripts/train.py`` process; each
-process learns its role from the ``TF_CONFIG`` this script writes for it:
-
-  multi_worker      N "worker" tasks; worker 0 is the chief (no separate chief task).
-  parameter_server  one "chief" (the coordinator, which trains, evaluates and writes),
-                    N "worker" tasks and M "ps" tasks (--ps, default 1) that only serve.
-
-Free loopback ports are picked for every attempt (or given with --ports, one per task in
-the order chief, workers, ps). Output is streamed with a ``[worker 1] `` prefix. When a
-task fails every other one is stopped and the exit status is non-zero; with
---restarts K the whole job is started again, up to K times, and resumes from the
-checkpoints in --model-dir (chosen here when not given, so every task and restart
-shares it; --checkpoint-every N bounds the steps a failure loses). A task exiting with
-status 2 (a usage error) is not restarted.
-
-multi_worker and stop signals: SIGTERM (or SIGINT) to any worker stops every worker
-after the same step; each saves the job's checkpoint of that step and exits with status
-75. The job is then restarted like a failed one (a restart of --restarts) and resumes
-from that step; with no restart left this script exits 75 and says to run it again.
-
-A parameter_server worker that fails is started again alone, on its port
-(--worker-restarts times at most): the chief's coordinator re-schedules the steps it
-lost and uses it again once it is back, so the job goes on without a restart.
-
-On a real cluster, run the same ``scripts/train.py`` flags on every machine with
-TF_CONFIG set by you (or your scheduler), e.g. for the second of two workers::
-
-    TF_CONFIG='{"cluster": {"worker": ["host1:2222", "host2:2222"]},
-                "task": {"type": "worker", "index": 1}}' \\
-        python scripts/train.py --strategy multi_worker --model-dir /shared/run1 ...
-
---model-dir must then be storage every task can read (a network file system, GCS):
-workers other than the chief restore from the chief's checkpoints. Parameter-server
-worker and ps tasks serve until they are stopped; stop them when the chief exits.
+The command lives in ``tfpar.tools.launch`` (installed as ``tfpar-launch``);
+this file runs it from a clone.
 """
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tfpar.tools.commands import COMMANDS, run, start  # noqa: E402  (no TensorFlow)
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="launch_local.py",
-        usage="%(prog)s --workers N [--ps M] [--restarts K] [--ports LIST] "
-              "[--gpus-per-task G] -- <train.py flags>",
-        description=__doc__.split("\n\n")[0].strip(),
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--workers", type=int, required=True,
-                   help="worker tasks (multi_worker: all of them train; worker 0 is the chief)")
-    p.add_argument("--ps", type=int, default=None,
-                   help="parameter_server: ps tasks holding the variables (default: 1)")
-    p.add_argument("--restarts", type=int, default=0,
-                   help="restart the whole job up to K times after a failure (default: 0)")
-    p.add_argument("--worker-restarts", type=int, default=3,
-                   help="parameter_server: start a failed worker again alone, up to K times "
-                        "per job, while the others go on (default: 3)")
-    p.add_argument("--ports", default="",
-                   help="comma-separated loopback ports, one per task in the order chief, "
-                        "workers, ps (default: free ports picked for every attempt)")
-    p.add_argument("--gpus-per-task", type=int, default=0,
-                   help="give each chief/worker task G GPUs of its own (CUDA_VISIBLE_DEVICES: "
-                        "worker 1 of 2 with G=2 gets 2,3; ps tasks get none; default 0: "
-                        "every task sees every GPU)")
-    return p
+MODULE = COMMANDS["tfpar-launch"]
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    split = argv.index("--") if "--" in argv else len(argv)
-    args = parser().parse_args(argv[:split])  # --help exits here
-    if split == len(argv):
-        parser().error("give train.py's flags after --, e.g. -- --strategy multi_worker")
-    train_args = argv[split + 1:]
-
-    from tfpar.errors import ClusterError
-    from tfpar.parallel.cluster.local_job import (PREEMPTED, flag_value, plan_job, run_job,
-                                                  train_args_for_cluster, train_command)
-    from tfpar.tools.cli import run_main
-
-    def body():
-        for flag in ("restarts", "worker_restarts", "gpus_per_task"):
-            if getattr(args, flag) < 0:
-                raise ClusterError(f"--{flag.replace('_', '-')} must be >= 0, "
-                                   f"got {getattr(args, flag)}")
-        strategy, flags = train_args_for_cluster(train_args)
-        ps = args.ps if args.ps is not None else (1 if strategy == "parameter_server" else 0)
-        try:
-            ports = [int(p) for p in args.ports.split(",") if p.strip()] or None
-        except ValueError:
-            raise ClusterError(f"--ports {args.ports!r} must be comma-separated "
-                               "integers, one per task") from None
-
-        def plan():
-            return plan_job(strategy, workers=args.workers, ps=ps, ports=ports)
-
-        plan().release()  # bad counts or taken ports fail here, before anything starts
-        print(f"[launch] {strategy}: {args.workers} worker(s)"
-              f"{f', {ps} ps' if ps else ''}; model dir {flag_value(flags, '--model-dir')}",
-              flush=True)
-        env = dict(os.environ)
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        status = run_job(plan, train_command(str(REPO / "scripts" / "train.py"), flags),
-                         restarts=args.restarts, env=env,
-                         task_restarts=args.worker_restarts,
-                         gpus_per_task=args.gpus_per_task)
-        if status == PREEMPTED:
-            print(f"error: the {strategy} job was preempted (status {status}): every worker "
-                  "stopped after the same step and its checkpoint is saved in "
-                  f"{flag_value(flags, '--model-dir')}; run the same command again to resume "
-                  "(--restarts K relaunches it by itself)", file=sys.stderr)
-        elif status:
-            print(f"error: the {strategy} job failed (status {status}); see the log above",
-                  file=sys.stderr)
-        return status
-
-    return run_main(body)
+    return run(MODULE, argv, prog=Path(__file__).name)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(start(MODULE))

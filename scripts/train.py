@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Train an RNN language model: ``python scripts/train.py --strategy mirrored``.
+"""Train an RNN language model: ``python scripts/train.py --strategy mirrored``; ``--help``
+lists every flag.
 
-Thin on purpose: the flags are parsed into a Config and handed to
-``tfpar.training.run.train_and_evaluate``; ``--help`` lists every flag.
+The command lives in ``tfpar.tools.train`` (installed as ``tfpar-train``);
+this file runs it from a clone.
 """
 
 import sys
@@ -10,15 +11,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tfpar.tools.cli import train_main  # noqa: E402
+from tfpar.tools.commands import COMMANDS, run, start  # noqa: E402  (no TensorFlow)
+
+MODULE = COMMANDS["tfpar-train"]
 
 
 def main(argv=None) -> int:
-    return train_main(argv)
+    return run(MODULE, argv, prog=Path(__file__).name)
 
 
 if __name__ == "__main__":
-    from tfpar.tools.console import quiet_native_logs  # noqa: E402
-
-    quiet_native_logs()  # before TensorFlow is imported
-    sys.exit(main())
+    sys.exit(start(MODULE))

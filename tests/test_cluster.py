@@ -67,7 +67,10 @@ def test_malformed_tf_config_is_one_line_error(text, message):
 def test_a_cluster_strategy_without_tf_config_is_refused():
     with pytest.raises(ClusterError, match="--strategy multi_worker needs a cluster, but TF_CONFIG "
                                            "is not set; start one on this machine with "
-                                           "scripts/launch_local.py --workers 2"):
+                                           r"tfpar-launch --workers 2 -- --strategy "
+                                           r"multi_worker \.\.\. \(from a clone: python "
+                                           r"scripts/launch_local\.py --workers 2 -- "
+                                           r"--strategy multi_worker \.\.\.\), or set"):
         require_cluster("multi_worker", environ={})
 
 
@@ -214,8 +217,9 @@ def test_parameter_server_plan_has_a_chief_workers_and_ps():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(strategy="mirrored", workers=2), "--strategy mirrored runs in one process: use "
-                                           "scripts/train.py"),
+    (dict(strategy="mirrored", workers=2), r"--strategy mirrored runs in one process: use "
+                                           r"tfpar-train \(from a clone: python "
+                                           r"scripts/train\.py\)$"),
     (dict(strategy="multi_worker", workers=0), "--workers must be >= 1, got 0"),
     (dict(strategy="multi_worker", workers=2, ps=1),
      "--ps 1: multi_worker has no parameter servers"),
@@ -242,7 +246,7 @@ def test_train_args_get_one_shared_model_dir():
     assert flag_value(args, "--model-dir").startswith(os.path.join("runs", "multi_worker-"))
     _, args = train_args_for_cluster(["--strategy=parameter_server", "--model-dir=m"])
     assert flag_value(args, "--model-dir") == "m" and "--model-dir" not in args
-    with pytest.raises(ClusterError, match="give train.py's --strategy after --"):
+    with pytest.raises(ClusterError, match="give tfpar-train's --strategy after --"):
         train_args_for_cluster(["--lr", "1"])
 
 

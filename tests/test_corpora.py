@@ -172,24 +172,26 @@ def test_resolve_named_finds_input_subfolder(tmp_path, name, folder, pattern):
 
 def test_resolve_named_missing_says_how_to_download(tmp_path):
     expected = (f"corpus 'wikitext-2' is missing: {tmp_path / 'wikitext-2'} does not exist; "
-                f"download it with: python scripts/download_data.py wikitext-2 --input-dir "
-                f"{tmp_path} (or pass --data DIR)")
+                f"download it with: tfpar-download wikitext-2 --input-dir {tmp_path} (from "
+                f"a clone: python scripts/download_data.py wikitext-2 --input-dir {tmp_path}), "
+                "or pass --data DIR")
     with pytest.raises(DataError, match=re.escape(expected)):
         corpora.resolve_named("wikitext2", input_dir=tmp_path)
 
 
 def test_lm1b_missing_says_how_to_download(tmp_path):
     expected = (f"corpus 'lm1b' is missing: {tmp_path / 'lm1b'} does not exist; download it "
-                f"with: python scripts/download_data.py lm1b --input-dir {tmp_path} (or pass "
-                "--data DIR)")
+                f"with: tfpar-download lm1b --input-dir {tmp_path} (from a clone: python "
+                f"scripts/download_data.py lm1b --input-dir {tmp_path}), or pass --data DIR")
     with pytest.raises(DataError, match=re.escape(expected)):
         corpora.load_text_corpus("lm1b", input_dir=tmp_path)
 
 
 def test_resolve_named_default_input_dir_gives_plain_command(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(DataError, match=r"download it with: python scripts/download_data\.py "
-                                        r"ptb \(or pass --data DIR\)$"):
+    with pytest.raises(DataError, match=r"download it with: tfpar-download ptb \(from a clone: "
+                                        r"python scripts/download_data\.py ptb\), or pass "
+                                        r"--data DIR$"):
         corpora.resolve_named("ptb")
 
 

@@ -1,10 +1,9 @@
-"""Tests for scripts/download_data.py against a real HTTP server on 127.0.0.1."""
+"""Tests for tfpar-download (tfpar.tools.download) against a real HTTP server on 127.0.0.1."""
 
 import contextlib
 import functools
 import hashlib
 import http.server
-import importlib.util
 import io
 import os
 import shutil
@@ -18,21 +17,11 @@ from pathlib import Path
 import pytest
 
 from tfpar.data import corpora, layouts
+from tfpar.tools import download as download_data
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get(
     "TFPAR_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location(
-        "download_data", REPO / "scripts" / "download_data.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-download_data = _load_script()
 
 
 class _Handler(http.server.SimpleHTTPRequestHandler):

@@ -398,27 +398,15 @@ def test_faults_cpu_hog_runs_a_hog_for_the_kill_test(hog, tmp_path, monkeypatch,
 
 # ------------------------------------------------------------- every flag in some test
 def script_parsers() -> dict[str, argparse.ArgumentParser]:
-    from tfpar.tools import faults, verify
-    from tfpar.tools.cli import train_parser
+    """The parser of every command but tfpar-benchmark, and of scripts/faults.py."""
+    import importlib
 
-    parsers = {"train.py": train_parser(), "verify_parallel.py": verify.parser(),
-               "faults.py": faults.parser()}
-    for name in ("generate", "evaluate", "launch_local"):
-        parsers[f"{name}.py"] = load_script(name).parser()
+    from tfpar.tools import faults
+    from tfpar.tools.commands import COMMANDS
 
-    # download_data.py builds its parser inside _parse_args: catch it there.
-    class Caught(Exception):
-        pass
-
-    def catch(self, args=None, namespace=None):
-        raise Caught(self)
-
-    download_data = load_script("download_data")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(argparse.ArgumentParser, "parse_args", catch)
-        with pytest.raises(Caught) as caught:
-            download_data._parse_args([])
-    parsers["download_data.py"] = caught.value.args[0]
+    parsers = {name: importlib.import_module(module).parser()
+               for name, module in COMMANDS.items() if name != "tfpar-benchmark"}
+    parsers["faults.py"] = faults.parser()
     return parsers
 
 
@@ -438,17 +426,16 @@ NOT_ON_A_TEST_COMMAND_LINE: dict[str, str] = {}
 
 
 def test_every_flag_of_every_script_is_in_a_test():
-    """Each option (any of its spellings: -v or --verbose) of train.py, generate.py,
-    evaluate.py, verify_parallel.py, launch_local.py, download_data.py and faults.py
-    (kills, matrix) appears, as a whole word, in some test file's text. A textual check:
+    """Each option (any of its spellings: -v or --verbose) of tfpar-train, -generate,
+    -evaluate, -verify, -launch, -download and faults.py (kills, matrix) appears, as a whole word, in some test file's text. A textual check:
     a new flag fails it until a test passes it (whether that test checks its effect is
     up to the test; scripts sharing a flag's name share its entry)."""
     text = "\n".join(open(path, encoding="utf-8").read()
                      for path in glob.glob(os.path.join(REPO, "tests", "*.py")))
     missing = []
     parsers = script_parsers()
-    assert set(parsers) == {"train.py", "generate.py", "evaluate.py", "verify_parallel.py",
-                            "launch_local.py", "download_data.py", "faults.py"}
+    assert set(parsers) == {"tfpar-train", "tfpar-generate", "tfpar-evaluate", "tfpar-verify",
+                            "tfpar-launch", "tfpar-download", "faults.py"}
     for script, parser in parsers.items():
         flags = list(flags_of(parser))
         assert len(flags) > 3, script

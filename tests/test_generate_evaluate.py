@@ -289,3 +289,75 @@ def test_a_punct_model_has_punctuation_tokens_and_serves_its_training_perplexity
     code, out, _ = out_and_code(evaluate.main, ["--model-dir", punct_run["model_dir"],
                                                 "--json"], capsys)
     assert code == 0 and json.loads(out)["perplexity"] == pytest.approx(valid_ppl, rel=1e-6)
+
+
+# --------------------------------------------------------- generate/evaluate --model-dir
+@pytest.fixture(scope="module")
+def two_exports(run, tmp_path_factory):
+    """One run exported twice: after its first epoch (the best epoch so far: best/ and
+    checkpoints/ hold the same step K, export version 1), then resumed for 3 more steps
+    and exported with its last weights (checkpoints/ at step K + 3, export version 2)."""
+    tmp = tmp_path_factory.mktemp("two-exports")
+    base = ["--data", run["corpus"], *PINNED, "--embed-dim", "16", "--hidden-dim", "16",
+            "--batch-size", "40", "--no-progress", "--model-dir", str(tmp / "run"),
+            "--export-dir", str(tmp / "export"), "--lr", "0.03"]
+    assert train.main(base + ["--epochs", "1", "--metrics-json", str(tmp / "1.json")]) == 0
+    first = json.loads((tmp / "1.json").read_text())
+    steps = first["steps"]
+    assert train.main(base + ["--epochs", "2", "--max-steps", str(steps + 3),
+                              "--final-weights", "last", "--metrics-json",
+                              str(tmp / "2.json")]) == 0
+    second = json.loads((tmp / "2.json").read_text())
+    assert second["steps"] == steps + 3
+    return {"model_dir": str(tmp / "run"), "best": first["export_path"],
+            "latest": second["export_path"], "steps": steps, "valid_ppl": first["valid_ppl"]}
+
+
+def test_generate_from_a_model_dir_is_what_the_export_of_its_weights_generates(
+        two_exports, capsys):
+    """--weights latest (the default) and best: each the text of the export of the same
+    weights, with the same seed and prompts; the two exports' texts differ, so the
+    equalities tell the two checkpoints apart."""
+    tail = ["--prompt", "w1 w2", "--prompt", "", "--max-tokens", "40", "--seed", "7"]
+    texts = {}
+    for weights in ("latest", "best"):
+        texts[weights] = ok_out(generate.main, ["--model", two_exports[weights]] + tail, capsys)
+        extra = ["--weights", weights] if weights == "best" else []
+        assert ok_out(generate.main, ["--model-dir", two_exports["model_dir"], *extra] + tail,
+                      capsys) == texts[weights], weights
+    assert texts["latest"] != texts["best"]
+
+
+def test_generate_logs_the_checkpoint_it_restored(two_exports, capsys):
+    argv = ["--model-dir", two_exports["model_dir"], "--weights", "best", "--max-tokens", "2"]
+    assert generate.main(argv) == 0
+    err = capsys.readouterr().err
+    assert (f"weights: {two_exports['model_dir']}/best/ckpt-{two_exports['steps']} (best)"
+            in err), err
+
+
+def test_evaluate_best_weights_give_the_best_epochs_perplexity(two_exports, capsys):
+    code, out, _ = out_and_code(evaluate.main, ["--model-dir", two_exports["model_dir"],
+                                                "--weights", "best", "--json"], capsys)
+    assert code == 0
+    result = json.loads(out)
+    assert result["model"] == f"{two_exports['model_dir']}/best/ckpt-{two_exports['steps']}"
+    assert result["perplexity"] == pytest.approx(two_exports["valid_ppl"], rel=1e-5)
+
+
+@pytest.mark.parametrize("main_name", ["generate", "evaluate"])
+def test_weights_errors_are_one_line_with_exit_2(run, main_name, capsys):
+    main = {"generate": generate.main, "evaluate": evaluate.main}[main_name]
+    code, _, err = out_and_code(main, ["--model", run["export"], "--weights", "best"], capsys)
+    assert code == 2 and err == ("error: --weights best applies to --model-dir only; a "
+                                 "SavedModel (--model) holds the weights it was exported with")
+    # The run of 5 steps never ended an epoch: nothing in best/.
+    code, _, err = out_and_code(main, ["--model-dir", run["model_dir"], "--weights", "best"],
+                                capsys)
+    assert code == 2 and err == (f"error: --model-dir {run['model_dir']!r} has no checkpoint "
+                                 "in best/ (kept at the first epoch end); use --weights "
+                                 "latest, or train a whole epoch")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", run["export"], "--model-dir", run["model_dir"]])
+    assert exit_info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err

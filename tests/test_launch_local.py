@@ -32,9 +32,10 @@ def load_launcher():
 
 @pytest.mark.parametrize("argv, message", [
     (["--workers", "2", "--", "--strategy", "mirrored"],
-     "error: launch_local.py starts clusters for --strategy multi_worker or parameter_server; "
-     "--strategy mirrored runs in one process: use scripts/train.py"),
-    (["--workers", "2", "--", "--lr", "1"], "error: give train.py's --strategy after --"),
+     "error: tfpar-launch starts clusters for --strategy multi_worker or parameter_server; "
+     "--strategy mirrored runs in one process: use tfpar-train (from a clone: python "
+     "scripts/train.py)"),
+    (["--workers", "2", "--", "--lr", "1"], "error: give tfpar-train's --strategy after --"),
     (["--workers", "2", "--ps", "1", "--", "--strategy", "multi_worker"],
      "error: --ps 1: multi_worker has no parameter servers"),
     (["--workers", "2", "--ports", "7,x", "--", "--strategy", "multi_worker"],
@@ -90,7 +91,7 @@ def test_train_flags_are_required(capsys):
     with pytest.raises(SystemExit) as e:
         load_launcher().main(["--workers", "2"])
     assert e.value.code == 2
-    assert "give train.py's flags after --" in capsys.readouterr().err
+    assert "give tfpar-train's flags after --" in capsys.readouterr().err
 
 
 def wait_for(condition, what: str, timeout: float):

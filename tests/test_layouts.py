@@ -293,8 +293,9 @@ def test_lm1b_no_train_shards(tmp_path):
     train_dir = tmp_path / layouts.LM1B_TRAIN_FOLDER
     with pytest.raises(DataError, match=rf"^lm1b train folder {re.escape(str(train_dir))} holds no "
                                         r"news\.en-NNNNN-of-00100 shards \(it holds "
-                                        r"news\.en-1-of-100\); download it again with: python "
-                                        r"scripts/download_data\.py lm1b$"):
+                                        r"news\.en-1-of-100\); download it again with: "
+                                        r"tfpar-download lm1b \(from a clone: python "
+                                        r"scripts/download_data\.py lm1b\)$"):
         layouts.find_split_files(tmp_path)
 
 

@@ -85,4 +85,4 @@ def test_abbreviated_flags_are_refused_so_a_preset_cannot_override_them(capsys):
         train_main(["--preset", "ptb-small", "--epoch", "3", "--hidden", "300"])
     assert exit_.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last == "train.py: error: unrecognized arguments: --epoch 3 --hidden 300"
+    assert last == "tfpar-train: error: unrecognized arguments: --epoch 3 --hidden 300"

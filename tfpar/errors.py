@@ -53,3 +53,19 @@ class Preempted(Interrupted):
     """
 
     exit_code = 75
+
+
+# The installed commands ([project.scripts] in pyproject.toml) and the script of a clone
+# that runs the same code: a message that tells the user to run one names both, so it is
+# true after `pip install tfpar` and in a clone run with `python scripts/...`.
+SCRIPTS = {"tfpar-train": "train.py", "tfpar-generate": "generate.py",
+           "tfpar-evaluate": "evaluate.py", "tfpar-download": "download_data.py",
+           "tfpar-launch": "launch_local.py", "tfpar-verify": "verify_parallel.py",
+           "tfpar-benchmark": "benchmark.py"}
+
+
+def command(name: str, args: str = "") -> str:
+    """How a message names a command to run: ``command("tfpar-download", "ptb")`` is
+    ``tfpar-download ptb (from a clone: python scripts/download_data.py ptb)``."""
+    tail = f" {args}" if args else ""
+    return f"{name}{tail} (from a clone: python scripts/{SCRIPTS[name]}{tail})"

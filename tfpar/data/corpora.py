@@ -37,7 +37,7 @@ from tfpar.data import layouts
 from tfpar.data.layouts import SENTENCE_PER_LINE, SPLIT_PATTERNS, SPLITS
 from tfpar.data.text import Segment, TextSplit, iterate_lines, write_splits
 from tfpar.data.textfile import check_text_file
-from tfpar.errors import DataError
+from tfpar.errors import DataError, command
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ ALIASES = {"wikitext2": "wikitext-2"}
 
 @dataclasses.dataclass(frozen=True)
 class KnownArchive:
-    """A corpus published as one archive, which ``scripts/download_data.py`` unpacks."""
+    """A corpus published as one archive, which ``tfpar-download`` unpacks."""
 
     # Canonical name, also the folder name under input/.
     name: str
@@ -313,7 +313,7 @@ def resolve_named(name: str, *, input_dir: str | os.PathLike = "input") -> Corpu
         flag = "" if str(input_dir) == "input" else f" --input-dir {input_dir}"
         raise DataError(
             f"corpus {canonical!r} is missing: {folder} does not exist; download it with: "
-            f"python scripts/download_data.py {canonical}{flag} (or pass --data DIR)")
+            f"{command('tfpar-download', canonical + flag)}, or pass --data DIR")
     return dataclasses.replace(read_text_dir(folder), name=canonical)
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Mapping
 
 from tfpar.data.textfile import check_text_prefix
-from tfpar.errors import DataError
+from tfpar.errors import DataError, command
 
 logger = logging.getLogger(__name__)
 
@@ -280,7 +280,7 @@ def _split_folders(folder: Path) -> dict[str, list[Path]]:
 def _lm1b_files(folder: Path) -> dict[str, list[Path]]:
     """lm1b's release: every train shard present; held-out shards 00001 and 00000."""
     train_dir, heldout_dir = folder / LM1B_TRAIN_FOLDER, folder / LM1B_HELDOUT_FOLDER
-    again = "download it again with: python scripts/download_data.py lm1b"
+    again = f"download it again with: {command('tfpar-download', 'lm1b')}"
     for sub, other in ((train_dir, heldout_dir), (heldout_dir, train_dir)):
         if not sub.is_dir():
             raise DataError(

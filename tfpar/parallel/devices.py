@@ -24,14 +24,17 @@ log = logging.getLogger(__name__)
 _SHORT = re.compile(r"^/?(?:device:)?(cpu|gpu|tpu):(\d+)$", re.IGNORECASE)
 
 
-def configure_cpu_devices(count: int) -> int:
+def configure_cpu_devices(
+        count: int, *, too_late: str = "set --cpu-devices before anything runs on TensorFlow"
+) -> int:
     """Splits the host CPU into ``count`` logical devices and returns how many exist.
 
     Safe to call more than once: when TensorFlow has already initialised its devices,
     the existing split is kept if it has at least ``count`` devices.
 
     Raises:
-      DeviceError: the runtime is already initialised with fewer CPU devices.
+      DeviceError: the runtime is already initialised with fewer CPU devices (the
+        message ends with ``too_late``: what to do instead).
     """
     cpus = tf.config.list_physical_devices("CPU")
     try:
@@ -46,8 +49,7 @@ def configure_cpu_devices(count: int) -> int:
     if existing < count:
         raise DeviceError(
             f"{count} logical CPU devices were asked for, but TensorFlow was already "
-            f"initialised with {existing}; set --cpu-devices before anything runs on TensorFlow"
-        )
+            f"initialised with {existing}; {too_late}")
     return existing
 
 

@@ -37,7 +37,7 @@ import tensorflow as tf
 from tfpar.parallel.cluster.tf_config import ClusterConfig, check_port_free, require_cluster
 from tfpar.parallel import devices as devices_lib
 from tfpar.config import DistConfig
-from tfpar.errors import ClusterError, ConfigError
+from tfpar.errors import ClusterError, ConfigError, command
 from tfpar.parallel.distribute import DistributePlugin
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def build_multi_worker(dist: DistConfig) -> MultiWorkerPlugin:
         raise ConfigError(
             f"--cpu-devices {dist.cpu_devices}: multi_worker runs one replica per worker on a "
             "host without GPUs (MultiWorkerMirroredStrategy uses only CPU:0); start more "
-            "workers instead (launch_local.py --workers N)")
+            f"workers instead: {command('tfpar-launch', '--workers N')}")
     options = communication_options(dist.communication)
     key = (config.to_json(), dist.communication)
     if key in _BUILT:

@@ -3,7 +3,7 @@
 Tasks (``TF_CONFIG``, see ``tfpar.parallel.cluster``): ``ps`` tasks hold the variables, ``worker``
 tasks compute steps, and the ``chief`` is the coordinator: it runs the training loop,
 schedules steps, evaluates and writes checkpoints, events, metrics and the export.
-Worker and ps processes run ``scripts/train.py`` too, with the same flags; they only
+Worker and ps processes run ``tfpar-train`` too, with the same flags; they only
 serve (:class:`ServerTask`, chosen before anything else is built) until they are stopped.
 
 Asynchrony. The coordinator queues steps (``coordinator.schedule``); whichever worker is
@@ -54,7 +54,7 @@ import os
 import tensorflow as tf
 
 from tfpar.config import DistConfig
-from tfpar.errors import ClusterError, ConfigError
+from tfpar.errors import ClusterError, ConfigError, command
 from tfpar.model.lm import detached_copy
 from tfpar.objective import losses, step
 from tfpar.objective.step import StepOutput
@@ -379,7 +379,7 @@ def _cluster(dist: DistConfig) -> ClusterConfig:
         flag = f"--devices {','.join(dist.devices)}" if dist.devices else \
             f"--cpu-devices {dist.cpu_devices}"
         raise ConfigError(f"{flag}: parameter_server runs each step on one worker's GPU or "
-                          "CPU; add workers (launch_local.py --workers N) instead")
+                          f"CPU; add workers instead: {command('tfpar-launch', '--workers N')}")
     # Fail fast instead of hanging when a worker or ps task is gone (TF's recommendation).
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
     return config

@@ -325,17 +325,23 @@ def _one_line(e: Exception) -> str:
 # ----------------------------------------------------------------------------- clients
 def generate_text(loaded, prompts: list[str], *, max_tokens: int, temperature: float,
                   top_k: int, seed: int, stop_at_eos: bool = False) -> list[str]:
-    """Calls a loaded SavedModel's ``generate`` signature; returns the continuations.
+    """Calls the ``generate`` signature of ``loaded``, a loaded SavedModel or a
+    :class:`LanguageModelModule` (a model restored from a model dir: the signature the
+    export would save, traced here); returns the continuations.
 
     A SavedModel exported before ``generate`` took ``stop_at_eos`` always stops at the
     first ``<eos>``; it is still served, with a warning when going on was asked for.
     """
-    signature = loaded.signatures["generate"]
+    if isinstance(loaded, LanguageModelModule):
+        signature, takes_stop = loaded.generate, True
+    else:
+        signature = loaded.signatures["generate"]
+        takes_stop = "stop_at_eos" in signature.structured_input_signature[1]
     inputs = dict(prompt=tf.constant(prompts, tf.string),
                   max_tokens=tf.constant(max_tokens, tf.int32),
                   temperature=tf.constant(temperature, tf.float32),
                   top_k=tf.constant(top_k, tf.int32), seed=tf.constant(seed, tf.int32))
-    if "stop_at_eos" in signature.structured_input_signature[1]:
+    if takes_stop:
         inputs["stop_at_eos"] = tf.constant(stop_at_eos)
     elif not stop_at_eos:
         log.warning("this SavedModel's generate signature predates stop_at_eos: each "

@@ -1,4 +1,4 @@
-"""Command-line plumbing shared by the scripts: flags → Config, logging, error handling.
+"""Command-line plumbing shared by the commands: flags → Config, logging, error handling.
 
 Nothing here imports TensorFlow at module level (the imports of tfpar's TF modules sit in
 the functions that need them): scripts must set TF's log level before TensorFlow is
@@ -246,9 +246,9 @@ def add_output_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("-v", "--verbose", action="store_true", help="TensorFlow's own logs too")
 
 
-def train_parser() -> argparse.ArgumentParser:
+def train_parser(prog: str = "tfpar-train") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="train.py",
+        prog=prog,
         description="Train an RNN language model on one or many devices, evaluate it, "
                     "write TensorBoard events and export a SavedModel.",
         # No abbreviations: a preset merges with the flags given by their full names, so
@@ -381,8 +381,15 @@ def setup_logging(verbose: bool = False) -> None:
             logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def prepare_runtime(dist: cfg.DistConfig) -> None:
-    """Logical CPU devices and placement options; must run before TF initialises."""
+def prepare_runtime(dist: cfg.DistConfig,
+                    too_late: str = "set --cpu-devices before anything runs on TensorFlow"
+                    ) -> None:
+    """Logical CPU devices and placement options; must run before TF initialises.
+
+    Raises:
+      DeviceError: TensorFlow was initialised with fewer logical CPU devices than ``dist``
+        needs (the message ends with ``too_late``: what to do instead).
+    """
     from tfpar.parallel.registry import cpu_devices_needed
     from tfpar.parallel import devices
     from tfpar.parallel.cluster.tf_config import CLUSTER_STRATEGIES
@@ -399,7 +406,7 @@ def prepare_runtime(dist: cfg.DistConfig) -> None:
     devices.configure_threads(devices.intra_op_threads(dist, count),
                               requested=bool(dist.intra_op_threads))
     if dist.strategy not in CLUSTER_STRATEGIES:
-        devices.configure_cpu_devices(count)
+        devices.configure_cpu_devices(count, too_late=too_late)
 
 
 def run_main(body: Callable[[], int | None]) -> int:
@@ -414,25 +421,39 @@ def run_main(body: Callable[[], int | None]) -> int:
         return 130
 
 
-def train_main(argv: Sequence[str] | None = None) -> int:
-    """``scripts/train.py``: flags (over ``--preset``) → Config → ``train_and_evaluate``."""
+def train_config(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                 argv: Sequence[str]) -> cfg.Config:
+    """The Config of training flags ``argv`` parsed into ``args``: ``--preset``'s values
+    for the flags not given, then :func:`config_from_args`; a preset is logged with what
+    it set. What ``tfpar-train`` and :func:`tfpar.make_config` both run.
+
+    Raises:
+      ConfigError: an unknown preset, or values the Config refuses.
+    """
+    from tfpar.tools import presets
+
+    taken = presets.apply_preset(args, parser, argv)
+    config = config_from_args(args)
+    if args.preset:
+        log = logging.getLogger("tfpar.tools.cli")
+        log.info("preset %s (%s): %s; flags given override it", args.preset,
+                 presets.PRESETS[args.preset][0], presets.describe(parser, taken))
+        log.info("configuration: %s", json.dumps(
+            {k: config.to_dict()[k] for k in ("data", "model", "train")},
+            separators=(",", ":")))
+    return config
+
+
+def train_main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """``tfpar-train``: flags (over ``--preset``) → Config → ``train_and_evaluate``;
+    ``prog`` names the command in usage lines (default ``tfpar-train``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = train_parser()
+    parser = train_parser(prog or "tfpar-train")
     args = parser.parse_args(argv)
     setup_logging(args.verbose or args.log_device_placement)
 
     def body():
-        from tfpar.tools import presets
-
-        taken = presets.apply_preset(args, parser, argv)
-        config = config_from_args(args)
-        if args.preset:
-            log = logging.getLogger("tfpar.tools.cli")
-            log.info("preset %s (%s): %s; flags given override it", args.preset,
-                     presets.PRESETS[args.preset][0], presets.describe(parser, taken))
-            log.info("configuration: %s", json.dumps(
-                {k: config.to_dict()[k] for k in ("data", "model", "train")},
-                separators=(",", ":")))
+        config = train_config(parser, args, argv)
         prepare_runtime(config.dist)
         from tfpar.training.run import train_and_evaluate
 

@@ -52,8 +52,6 @@ from tfpar.tools.cli import run_main, setup_logging
 from tfpar.training.loop import evaluate
 from tfpar.training.state import build_train_state
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 log = logging.getLogger(__name__)
 
 
@@ -338,8 +336,7 @@ def run_multi_worker(setup: Setup, replicas: int) -> RunResult:
         with open(os.path.join(work, "spec.json"), "w", encoding="utf-8") as f:
             json.dump({"spec": dataclasses.asdict(setup.spec), "clip_norm": setup.clip_norm}, f)
         np.savez(os.path.join(work, "weights.npz"), *setup.initial_weights)
-        code = (f"import sys; sys.path.insert(0, {REPO!r}); "
-                f"from tfpar.tools.verify import multi_worker_task; multi_worker_task({work!r})")
+        code = f"from tfpar.tools.verify import multi_worker_task; multi_worker_task({work!r})"
         status = run_job(lambda: plan_job("multi_worker", workers=replicas),
                          lambda task: [sys.executable, "-c", code], out=sys.stderr)
         if status:
@@ -519,9 +516,9 @@ def format_table(rows: list[Row]) -> str:
 
 
 # ------------------------------------------------------------------------- command line
-def parser() -> argparse.ArgumentParser:
+def parser(prog: str = "tfpar-verify") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="verify_parallel.py",
+        prog=prog,
         description=(
             "Train each strategy for a few steps from the same initial weights on the same "
             "global batches (bucketed, variable-length sentences, so replicas hold unequal "
@@ -630,9 +627,9 @@ def report(setup: Setup, rows: list[Row], json_path: str = "") -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``scripts/verify_parallel.py``; exit 0 all match, 1 a mismatch, 2 a usage error."""
-    args = parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """``tfpar-verify``; exit 0 all match, 1 a mismatch, 2 a usage error."""
+    args = parser(prog or "tfpar-verify").parse_args(argv)
     setup_logging(args.verbose)
 
     def body():

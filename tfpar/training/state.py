@@ -1,6 +1,6 @@
 """One train state: the model, the optimizer and the counters, built once, saved whole.
 
-Every tool that trains or evaluates (the training run, ``scripts/evaluate.py``, the
+Every tool that trains or evaluates (the training run, ``tfpar-evaluate``, the
 verify tool, the benchmark, the pipeline sweep) builds its state here, inside the
 strategy's scope, so the variables land where the strategy wants them. A checkpoint holds::
 

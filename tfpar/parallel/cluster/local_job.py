@@ -4,8 +4,9 @@
 job on free loopback ports; :class:`LocalJob` runs them as child processes, each with its
 own ``TF_CONFIG`` (see :mod:`tfpar.parallel.cluster.tf_config`), its output prefixed with
 its task; :func:`run_job` restarts the whole job after a failure or a preemption. The
-last functions turn ``train.py`` flags into the command every task runs. Used by
-``scripts/launch_local.py`` and ``scripts/verify_parallel.py``.
+last functions turn training flags into the command every task runs (``python -m
+tfpar.tools.train``: this package, not a file of a clone, so an installed tfpar starts
+clusters too). Used by ``tfpar-launch`` (:mod:`tfpar.tools.launch`) and ``tfpar-verify``.
 """
 
 from __future__ import annotations
@@ -15,14 +16,35 @@ import datetime
 import os
 import queue
 import signal
+import site
 import subprocess
 import sys
 import threading
 from typing import Callable, Mapping, Sequence, TextIO
 
-from tfpar.errors import ClusterError, Preempted
+from tfpar.errors import ClusterError, Preempted, command
 from tfpar.parallel.cluster.tf_config import (CLUSTER_STRATEGIES, JOBS, LOOPBACK,
                                               PortReservation, check_port_free, tf_config_json)
+
+# The module every task of a launched job runs (``python -m``).
+TRAIN_MODULE = "tfpar.tools.train"
+# The folder that holds this tfpar package: a clone's root, or site-packages.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+
+
+def package_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` for a child Python that must import this same tfpar from any working
+    directory: :data:`PACKAGE_ROOT` first on ``PYTHONPATH``, unless it is a site-packages
+    folder (an installed tfpar), which every Python of this environment already reads and
+    which must not come before the standard library."""
+    env = dict(env)
+    installed = {os.path.realpath(p) for p in [*site.getsitepackages(),
+                                               site.getusersitepackages()]}
+    if os.path.realpath(PACKAGE_ROOT) not in installed:
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
+    return env
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +99,8 @@ def check_cluster_strategy(strategy: str) -> None:
     """Raises ClusterError unless ``strategy`` runs on a cluster."""
     if strategy not in JOBS:
         raise ClusterError(
-            f"launch_local.py starts clusters for --strategy {' or '.join(CLUSTER_STRATEGIES)}; "
-            f"--strategy {strategy} runs in one process: use scripts/train.py")
+            f"tfpar-launch starts clusters for --strategy {' or '.join(CLUSTER_STRATEGIES)}; "
+            f"--strategy {strategy} runs in one process: use {command('tfpar-train')}")
 
 
 def plan_job(strategy: str, *, workers: int, ps: int = 0,
@@ -197,7 +219,8 @@ class LocalJob:
             self._spawn(task)
 
     def _spawn(self, task: Task) -> None:
-        env = dict(self.env, TF_CONFIG=self.plan.tf_config(task), PYTHONUNBUFFERED="1")
+        env = dict(package_env(self.env), TF_CONFIG=self.plan.tf_config(task),
+                   PYTHONUNBUFFERED="1")
         gpus = ""
         if self.gpus_per_task:
             env["CUDA_VISIBLE_DEVICES"] = self.plan.gpus(task, self.gpus_per_task)
@@ -335,7 +358,7 @@ def flag_value(args: Sequence[str], flag: str) -> str | None:
 
 
 def train_args_for_cluster(args: Sequence[str]) -> tuple[str, list[str]]:
-    """The strategy named in train.py flags, and the flags with a shared ``--model-dir``.
+    """The strategy named in training flags, and the flags with a shared ``--model-dir``.
 
     Every task (and every restart) must use the same model dir: the chief writes it,
     restarts resume from it. Without ``--model-dir`` each process would pick its own
@@ -346,7 +369,8 @@ def train_args_for_cluster(args: Sequence[str]) -> tuple[str, list[str]]:
     """
     strategy = flag_value(args, "--strategy")
     if strategy is None:
-        raise ClusterError("give train.py's --strategy after --, e.g. -- --strategy multi_worker")
+        raise ClusterError("give tfpar-train's --strategy after --, e.g. -- --strategy "
+                           "multi_worker")
     check_cluster_strategy(strategy)
     args = list(args)
     if flag_value(args, "--model-dir") is None:
@@ -355,6 +379,7 @@ def train_args_for_cluster(args: Sequence[str]) -> tuple[str, list[str]]:
     return strategy, args
 
 
-def train_command(train_script: str, args: Sequence[str]) -> Callable[[Task], list[str]]:
-    """Every task runs ``python train.py <args>``; its role comes from TF_CONFIG."""
-    return lambda task: [sys.executable, train_script, *args]
+def train_command(args: Sequence[str]) -> Callable[[Task], list[str]]:
+    """Every task runs ``python -m tfpar.tools.train <args>`` (what ``tfpar-train <args>``
+    runs); its role comes from TF_CONFIG."""
+    return lambda task: [sys.executable, "-m", TRAIN_MODULE, *args]

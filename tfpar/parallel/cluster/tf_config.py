@@ -33,7 +33,7 @@ import os
 import socket
 from typing import Mapping, Sequence
 
-from tfpar.errors import ClusterError
+from tfpar.errors import ClusterError, command
 
 LOOPBACK = "127.0.0.1"
 # Jobs each cluster strategy needs and accepts, in the order tasks are listed.
@@ -192,8 +192,8 @@ def require_cluster(strategy: str, environ: Mapping[str, str] | None = None) -> 
     if not text:
         raise ClusterError(
             f"--strategy {strategy} needs a cluster, but TF_CONFIG is not set; start one on "
-            f"this machine with scripts/launch_local.py --workers 2 -- --strategy {strategy} "
-            "..., or set TF_CONFIG in every process of your cluster")
+            f"this machine with {command('tfpar-launch', f'--workers 2 -- --strategy {strategy} ...')}"
+            ", or set TF_CONFIG in every process of your cluster")
     config = parse_tf_config(text)
     check_jobs(config, strategy)
     return config

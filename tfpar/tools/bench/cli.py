@@ -1,4 +1,5 @@
-"""The benchmark's command line: ``scripts/benchmark.py`` and ``python -m tfpar.tools.bench``."""
+"""The benchmark's command line: ``tfpar-benchmark`` (``scripts/benchmark.py`` in a clone)
+and ``python -m tfpar.tools.bench`` (also its child processes)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from typing import Any, Sequence
 from tfpar.tools.bench.spec import DEFAULT_PTB, BenchSpec, quick_spec, tiny_spec
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(prog: str = "tfpar-benchmark") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="benchmark.py",
+        prog=prog,
         description="Training throughput of tfpar against plain Keras, the input pipeline's "
                     "share, padding, and the cost of distribution, measured side by side.")
     p.add_argument("--data", default=DEFAULT_PTB,
@@ -120,13 +121,13 @@ def sampled_softmax_main(args: argparse.Namespace) -> int:
     return 1 if args.check and missed else 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``scripts/benchmark.py``: exit 0; 1 when a contender failed (``error: contender
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """``tfpar-benchmark``: exit 0; 1 when a contender failed (``error: contender
     <name> failed: ...`` on stderr, one line each) or, under ``--check``, a target is
     missed; 2 on a usage error."""
     from tfpar.tools.cli import run_main, setup_logging
 
-    args = parser().parse_args(argv)
+    args = parser(prog or "tfpar-benchmark").parse_args(argv)
     setup_logging(args.verbose)
     if args.worker_task:
         from tfpar.tools.bench.workers import serve_worker

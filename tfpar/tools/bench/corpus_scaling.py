@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 from tfpar.data.corpora import SPLIT_PATTERNS, SPLITS
 from tfpar.errors import ConfigError
+from tfpar.parallel.cluster.local_job import TRAIN_MODULE, package_env
 from tfpar.tools.bench.spec import REPO, target_verdicts
 
 DEFAULT_CORPUS = os.path.join(os.path.dirname(REPO), "shared", "data", "wikitext-2")
@@ -71,15 +72,15 @@ def repeat_corpus(files: dict[str, str], factor: int, folder: str) -> int:
 
 def train_once(data: str, model_dir: str, *, steps: int, vocab_file: str | None = None,
                extra: Sequence[str] = ()) -> dict[str, Any]:
-    """One ``scripts/train.py`` process: its metrics, peak RSS (MB) and seconds from its
+    """One ``tfpar-train`` process (``python -m tfpar.tools.train``): its metrics, peak RSS (MB) and seconds from its
     start to its first step."""
     metrics_path = os.path.join(model_dir + ".json")
-    cmd = [sys.executable, os.path.join(REPO, "scripts", "train.py"), "--data", data,
+    cmd = [sys.executable, "-m", TRAIN_MODULE, "--data", data,
            "--strategy", "mirrored", "--max-steps", str(steps), "--no-export", "--no-progress",
            "--model-dir", model_dir, "--metrics-json", metrics_path, *extra]
     if vocab_file:
         cmd += ["--vocab-file", vocab_file]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env = package_env({**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     started = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -128,7 +129,7 @@ def run(factors: Sequence[int], *, corpus: str = DEFAULT_CORPUS, steps: int = 50
 
 def format_report(results: dict[str, Any]) -> str:
     lines = [f"corpus scaling: {results['corpus']} train split repeated, {results['steps']} "
-             "steps of scripts/train.py --strategy mirrored each",
+             "steps of tfpar-train --strategy mirrored each",
              f"{'factor':>6}{'train MB':>10}{'vocab':>11}{'peak RSS MB':>13}"
              f"{'first step s':>14}{'vocab s':>9}{'vocab MB/s':>12}{'tokens/s':>10}"]
     for r in results["rows"]:
