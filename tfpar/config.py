@@ -388,8 +388,10 @@ class RunConfig:
     log_every: int = 10
     # Write the run's final figures to this JSON file ("" for none).
     metrics_json: str = ""
-    # Show a progress bar.
+    # Show progress: a bar on a terminal, else a log line every progress_every seconds.
     progress: bool = True
+    # Off a terminal: seconds between two progress lines (0: one line at each epoch end).
+    progress_every: float = 30.0
     # Profile these steps (first, last) into the TensorBoard log (empty: no profile).
     profile_steps: tuple[int, ...] = ()
     # The weights the final evaluation and the export use: "best", those of the epoch
@@ -401,6 +403,7 @@ class RunConfig:
         _non_negative("checkpoint-every", self.checkpoint_every)
         _positive("keep-checkpoints", self.keep_checkpoints)
         _positive("log-every", self.log_every)
+        _non_negative("progress-every", self.progress_every)
         object.__setattr__(self, "profile_steps", tuple(self.profile_steps))
 
 

@@ -240,7 +240,13 @@ def add_output_flags(p: argparse.ArgumentParser) -> None:
                    help="best | last: the weights the final valid/test evaluation and the "
                         "export use: those of the epoch with the best valid perplexity (kept "
                         "in <model-dir>/best) or the last ones (default: %(default)s)")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-progress", action="store_true",
+                   help="no progress bar and no progress lines")
+    g.add_argument("--progress-every", type=float, default=30.0, metavar="SECONDS",
+                   help="when stdout is not a terminal (a file, a pipe, a job's log), "
+                        "progress is a plain log line every SECONDS (the epoch's step, "
+                        "loss, ppl and tok/s so far, and an ETA) instead of a redrawn bar; "
+                        "0: one line at each epoch end (default: %(default)s)")
     g.add_argument("--profile-steps", default="",
                    help="A,B: profile steps A..B into the TensorBoard log")
     g.add_argument("-v", "--verbose", action="store_true", help="TensorFlow's own logs too")
@@ -341,7 +347,8 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
             model_dir=a.model_dir, export_dir=a.export_dir, export_name=a.export_name,
             export=not a.no_export, checkpoint_every=a.checkpoint_every,
             keep_checkpoints=a.keep_checkpoints, log_every=a.log_every,
-            metrics_json=a.metrics_json, progress=not a.no_progress, profile_steps=profile,
+            metrics_json=a.metrics_json, progress=not a.no_progress, progress_every=a.progress_every,
+            profile_steps=profile,
             final_weights=a.final_weights,
         ),
     )

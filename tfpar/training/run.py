@@ -40,6 +40,7 @@ from tfpar.parallel.registry import ASYNCHRONOUS, build_strategy
 from tfpar.parallel import parameter_server
 from tfpar.serving import export
 from tfpar.training import checkpoints, summaries
+from tfpar.training.hooks import on_terminal
 from tfpar.training.loop import AsyncLoop, Loop, evaluate
 from tfpar.training.schedule import optimizer_factory
 from tfpar.training.state import build_train_state
@@ -83,7 +84,8 @@ def load_vocab(config: Config, corpus: LoadedCorpus) -> tuple[Vocab, np.ndarray 
         return vocab, None
     train = corpus.splits["train"]
     log.info("vocabulary: counting the train split (%s)", train.describe())
-    counts = train_counts(train, data.tokenizer, progress=config.run.progress)
+    # A bar on a terminal only; off one, the line above and the next say it all.
+    counts = train_counts(train, data.tokenizer, progress=config.run.progress and on_terminal())
     return Vocab.from_counts(counts, max_size=data.vocab_size,
                              min_count=data.min_count), counts.lengths
 
