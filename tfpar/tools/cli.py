@@ -213,6 +213,17 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--early-stop", type=int, default=0, metavar="EPOCHS",
                    help="stop training after this many epochs in a row without a better "
                         "valid perplexity (default 0: never)")
+    g.add_argument("--init-from", default="", metavar="DIR",
+                   help="fine-tune: start this run from the model weights of the trained run "
+                        "in model dir DIR (not its optimizer, step, epoch or input position). "
+                        "The model's shape (--cell, --layers, --embed-dim, --hidden-dim, "
+                        "--tie-embeddings, --softmax, --num-sampled), --tokenizer and the "
+                        "vocabulary (DIR/vocab.txt, used as --vocab-file is) are DIR's: those "
+                        "flags are not used (the log names any that differed). Only for a "
+                        "fresh --model-dir: one with a checkpoint resumes it, as always")
+    g.add_argument("--init-weights", default="latest", choices=cfg.INIT_WEIGHTS,
+                   help="--init-from: latest (DIR's last checkpoint) | best (its best "
+                        "epoch's, kept in DIR/best) (default: %(default)s)")
     g.add_argument("--lr-decay-on-plateau", type=float, default=0.0, metavar="FACTOR",
                    help="multiply the learning rate by FACTOR after each epoch whose valid "
                         "perplexity is not the best so far (0.25: divide by 4, as PyTorch's "
@@ -349,7 +360,7 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
             keep_checkpoints=a.keep_checkpoints, log_every=a.log_every,
             metrics_json=a.metrics_json, progress=not a.no_progress, progress_every=a.progress_every,
             profile_steps=profile,
-            final_weights=a.final_weights,
+            final_weights=a.final_weights, init_from=a.init_from, init_weights=a.init_weights,
         ),
     )
 
