@@ -49,17 +49,22 @@ def test_a_new_run_on_another_corpus_starts_from_the_weights_and_vocabulary_of_d
     seen = {}
     original = run.Loop.run
 
-    def spy(loop):  # the state the loop starts from, then the real loop
-        seen["weights"] = {k: v.numpy() for k, v in named_weights(loop.state.model).items()}
+    def spy(loop):  # the state the first loop starts from (every replica's copy), then it
+        if seen:
+            return original(loop)
+        seen["weights"] = {k: [c.numpy() for c in v.value.values]  # a MirroredVariable
+                           for k, v in named_weights(loop.state.model).items()}
         seen["step"] = loop.step
         seen["iterations"] = int(loop.state.optimizer.iterations.numpy())
         return original(loop)
 
     monkeypatch.setattr(run.Loop, "run", spy)
     b = tmp_path / "b"
-    # The flags' shape (lstm, 2 layers, 8 wide, --tokenizer char) is not used: A's is.
+    # The flags' shape (lstm, 2 layers, 8 wide, --tokenizer char) is not used: A's is. A
+    # mirrored strategy: each replica's copy of the weights is A's.
     assert train_main(run_args(other, b, "--max-steps", "1", "--init-from", str(trained),
-                               "--layers", "2", "--embed-dim", "8", "--tokenizer", "char")) == 0
+                               "--layers", "2", "--embed-dim", "8", "--tokenizer", "char",
+                               "--strategy", "mirrored")) == 0
     err = capsys.readouterr().err
     a_ckpt = trained / "checkpoints" / "ckpt-3"
     assert f"I tfpar.training.run: initialised from {a_ckpt} (step 3)" in err
@@ -68,7 +73,9 @@ def test_a_new_run_on_another_corpus_starts_from_the_weights_and_vocabulary_of_d
     expected = checkpoint_weights(a_ckpt)
     assert sorted(seen["weights"]) == sorted(expected) and len(expected) >= 4
     for name, value in expected.items():
-        np.testing.assert_array_equal(seen["weights"][name], value, err_msg=name)
+        assert len(seen["weights"][name]) >= 2  # one copy per replica
+        for copy in seen["weights"][name]:
+            np.testing.assert_array_equal(copy, value, err_msg=name)
     assert seen["step"] == 0 and seen["iterations"] == 0
     assert (b / "vocab.txt").read_text() == (trained / "vocab.txt").read_text()
     a_config = json.loads((trained / "config.json").read_text())
