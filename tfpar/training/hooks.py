@@ -145,7 +145,7 @@ class ProgressHook:
             self.log_line()
 
     def log_line(self) -> None:
-        """``epoch 1: step 120/1001 (12%), loss 5.12, ppl 167.43, 2,918 tok/s, ETA 4m50s``."""
+        """``epoch 1: step 120/1001 (11%), loss 5.12, ppl 167.43, 2,918 tok/s, ETA 4m50s``."""
         now = self.clock()
         self.last_line, self.line_at = now, self.steps
         where = f"step {self.steps}"
