@@ -1,6 +1,7 @@
 """--init-from DIR: a new run starts from a trained run's model weights (not its
 optimizer, step or position), with its model shape, tokenizer and vocabulary."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -128,3 +129,34 @@ def test_a_vocabulary_flag_with_init_from_is_refused(trained, tiny_corpus_dir, t
         f"error: --vocab-file does not apply with --init-from {trained}, whose vocabulary "
         "the run takes; drop one of them\n")
     assert not b.exists()
+
+
+def test_init_weights_best_reads_dir_best_and_the_config_takes_dirs_model(tmp_path):
+    """No training: a model dir with config.json, vocab.txt and checkpoints in both
+    checkpoints/ (step 9) and best/ (step 7)."""
+    import tensorflow as tf
+
+    from tfpar.config import Config, DataConfig, ModelConfig, RunConfig
+    from tfpar.training.run import init_source
+
+    a = tmp_path / "a"
+    stored = Config(model=ModelConfig(cell="gru", layers=3, embed_dim=6, hidden_dim=6,
+                                      tie_embeddings=True, dropout=0.1),
+                    data=DataConfig(tokenizer="punct"))
+    a.mkdir()
+    (a / "config.json").write_text(stored.to_json())
+    (a / "vocab.txt").write_text("<pad>\n<unk>\n<eos>\nw\n")
+    checkpoint = tf.train.Checkpoint(v=tf.Variable(1.0))
+    for folder, step in (("checkpoints", 9), ("best", 7)):
+        tf.train.CheckpointManager(checkpoint, str(a / folder), 1).save(checkpoint_number=step)
+    asked = Config(model=ModelConfig(dropout=0.3), run=RunConfig(
+        model_dir=str(tmp_path / "b"), init_from=str(a), init_weights="best"))
+    config, path = init_source(asked)
+    assert path == str(a / "best" / "ckpt-7")
+    latest = asked.replace(run={"init_weights": "latest"})
+    assert init_source(latest)[1] == str(a / "checkpoints" / "ckpt-9")
+    # DIR's shape, tokenizer and vocabulary; this run's dropout.
+    assert config.model == dataclasses.replace(stored.model, dropout=0.3)
+    assert config.data.tokenizer == "punct"
+    assert config.data.vocab_file == str(a / "vocab.txt")
+
