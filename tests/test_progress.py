@@ -85,17 +85,16 @@ def test_on_a_terminal_the_bar_and_no_lines(monkeypatch, caplog):
 def test_a_run_off_a_terminal_logs_lines_whose_last_ppl_is_the_epoch_lines(tiny_args,
                                                                            capsys):
     args = [a for a in tiny_args if a != "--no-progress"]
-    args[args.index("--max-steps") + 1] = "0"
-    args[args.index("--epochs") + 1] = "2"
-    args[args.index("--batch-size") + 1] = "100"  # 3 steps an epoch
+    args[args.index("--max-steps") + 1] = "0"  # the whole epoch
+    args[args.index("--batch-size") + 1] = "100"  # 3 steps
     assert train_main(args + ["--no-export", "--progress-every", "0"]) == 0
     captured = capsys.readouterr()
     assert "\r" not in captured.out + captured.err
     assert captured.out == ""  # no bar
     lines = [LINE.search(x) for x in captured.err.splitlines()
              if x.startswith("I tfpar.training.hooks: ")]
-    epochs = re.findall(r"epoch (\d)/2: train ppl ([\d.]+),", captured.err)
-    assert [m.group(1) for m in lines] == ["1", "2"] == [e[0] for e in epochs]
+    epochs = re.findall(r"epoch (\d)/1: train ppl ([\d.]+),", captured.err)
+    assert [m.group(1) for m in lines] == ["1"] == [e[0] for e in epochs]
     for m, (_, train_ppl) in zip(lines, epochs):
         assert m.group(2) == m.group(3) and m.group(4) == "100"  # the epoch's end
         assert m.group(6) == train_ppl
