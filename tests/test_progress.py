@@ -87,6 +87,7 @@ def test_a_run_off_a_terminal_logs_lines_whose_last_ppl_is_the_epoch_lines(tiny_
     args = [a for a in tiny_args if a != "--no-progress"]
     args[args.index("--max-steps") + 1] = "0"  # the whole epoch
     args[args.index("--batch-size") + 1] = "100"  # 3 steps
+    args += ["--lr", "0.1"]  # steps whose losses differ: the line must be the epoch's
     assert train_main(args + ["--no-export", "--progress-every", "0"]) == 0
     captured = capsys.readouterr()
     assert "\r" not in captured.out + captured.err
