@@ -81,7 +81,8 @@ def test_train_script_stderr_has_no_native_chatter_unless_verbose(verbose, tiny_
         assert native_lines(proc.stderr) == []
 
 
-def test_progress_bar_has_a_total_and_each_epoch_one_line(tiny_args, capsys):
+def test_progress_bar_has_a_total_and_each_epoch_one_line(tiny_args, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)  # the bar is for a terminal
     args = [a for a in tiny_args if a != "--no-progress"]
     args[args.index("--max-steps") + 1] = "0"
     args[args.index("--epochs") + 1] = "2"

@@ -49,7 +49,7 @@ def test_the_progress_bar_shows_the_epochs_perplexity_so_far_per_token():
     from tfpar.objective.losses import perplexity
     from tfpar.training.hooks import ProgressHook, Record
 
-    hook = ProgressHook()
+    hook = ProgressHook(tty=True)
     hook.start_epoch(3)
     records = [Record(step=1, steps=1, nll=80.0, count=10.0, grad_norm=1.0, seconds=1.0,
                       learning_rate=1.0),

@@ -29,6 +29,11 @@ ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
 SCALE_LR = ("none", "linear")
 ON_NAN = ("stop", "skip")
 FINAL_WEIGHTS = ("best", "last")
+# --init-weights: a trained run's latest checkpoint or its best epoch's.
+INIT_WEIGHTS = ("latest", "best")
+# The model fields that decide its weights' shapes (and names): a checkpoint fits only a
+# model with the same values.
+MODEL_SHAPE = ("cell", "layers", "embed_dim", "hidden_dim", "tie_embeddings", "softmax")
 TOWER_REDUCE = ("controller", "ring")
 COMMUNICATION = ("auto", "ring", "nccl")
 # How text becomes tokens; defined in tfpar/data/tokenize.py.
@@ -388,19 +393,29 @@ class RunConfig:
     log_every: int = 10
     # Write the run's final figures to this JSON file ("" for none).
     metrics_json: str = ""
-    # Show a progress bar.
+    # Show progress: a bar on a terminal, else a log line every progress_every seconds.
     progress: bool = True
+    # Off a terminal: seconds between two progress lines (0: one line at each epoch end).
+    progress_every: float = 30.0
     # Profile these steps (first, last) into the TensorBoard log (empty: no profile).
     profile_steps: tuple[int, ...] = ()
     # The weights the final evaluation and the export use: "best", those of the epoch
     # with the best valid perplexity (kept in <model_dir>/best), or "last".
     final_weights: str = "best"
+    # Fine-tuning: a fresh run starts from the model weights of this trained run's model
+    # dir ("": none) and takes its model shape, tokenizer and vocabulary
+    # (tfpar.training.run.init_source); a model dir with a checkpoint resumes instead.
+    init_from: str = ""
+    # Which of init_from's checkpoints: "latest" or "best" (its best epoch's).
+    init_weights: str = "latest"
 
     def __post_init__(self) -> None:
         _choice("final-weights", self.final_weights, FINAL_WEIGHTS)
+        _choice("init-weights", self.init_weights, INIT_WEIGHTS)
         _non_negative("checkpoint-every", self.checkpoint_every)
         _positive("keep-checkpoints", self.keep_checkpoints)
         _positive("log-every", self.log_every)
+        _non_negative("progress-every", self.progress_every)
         object.__setattr__(self, "profile_steps", tuple(self.profile_steps))
 
 
@@ -452,8 +467,7 @@ class Config:
 
 # The model-shaping fields: a checkpoint made with one value cannot be resumed with another.
 INCOMPATIBLE_ON_RESUME = (
-    ("model", "cell"), ("model", "layers"), ("model", "embed_dim"), ("model", "hidden_dim"),
-    ("model", "tie_embeddings"), ("model", "softmax"), ("data", "source"), ("data", "vocab_size"),
+    *(("model", field) for field in MODEL_SHAPE), ("data", "source"), ("data", "vocab_size"),
     ("data", "min_count"), ("data", "tokenizer"), ("data", "split_fractions"),
     ("train", "optimizer"),
 )

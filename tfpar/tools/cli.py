@@ -213,6 +213,17 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--early-stop", type=int, default=0, metavar="EPOCHS",
                    help="stop training after this many epochs in a row without a better "
                         "valid perplexity (default 0: never)")
+    g.add_argument("--init-from", default="", metavar="DIR",
+                   help="fine-tune: start this run from the model weights of the trained run "
+                        "in model dir DIR (not its optimizer, step, epoch or input position). "
+                        "The model's shape (--cell, --layers, --embed-dim, --hidden-dim, "
+                        "--tie-embeddings, --softmax, --num-sampled), --tokenizer and the "
+                        "vocabulary (DIR/vocab.txt, used as --vocab-file is) are DIR's: those "
+                        "flags are not used (the log names any that differed). Only for a "
+                        "fresh --model-dir: one with a checkpoint resumes it, as always")
+    g.add_argument("--init-weights", default="latest", choices=cfg.INIT_WEIGHTS,
+                   help="--init-from: latest (DIR's last checkpoint) | best (its best "
+                        "epoch's, kept in DIR/best) (default: %(default)s)")
     g.add_argument("--lr-decay-on-plateau", type=float, default=0.0, metavar="FACTOR",
                    help="multiply the learning rate by FACTOR after each epoch whose valid "
                         "perplexity is not the best so far (0.25: divide by 4, as PyTorch's "
@@ -240,7 +251,13 @@ def add_output_flags(p: argparse.ArgumentParser) -> None:
                    help="best | last: the weights the final valid/test evaluation and the "
                         "export use: those of the epoch with the best valid perplexity (kept "
                         "in <model-dir>/best) or the last ones (default: %(default)s)")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-progress", action="store_true",
+                   help="no progress bar and no progress lines")
+    g.add_argument("--progress-every", type=float, default=30.0, metavar="SECONDS",
+                   help="when stdout is not a terminal (a file, a pipe, a job's log), "
+                        "progress is a plain log line every SECONDS (the epoch's step, "
+                        "loss, ppl and tok/s so far, and an ETA) instead of a redrawn bar; "
+                        "0: one line at each epoch end (default: %(default)s)")
     g.add_argument("--profile-steps", default="",
                    help="A,B: profile steps A..B into the TensorBoard log")
     g.add_argument("-v", "--verbose", action="store_true", help="TensorFlow's own logs too")
@@ -341,8 +358,9 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
             model_dir=a.model_dir, export_dir=a.export_dir, export_name=a.export_name,
             export=not a.no_export, checkpoint_every=a.checkpoint_every,
             keep_checkpoints=a.keep_checkpoints, log_every=a.log_every,
-            metrics_json=a.metrics_json, progress=not a.no_progress, profile_steps=profile,
-            final_weights=a.final_weights,
+            metrics_json=a.metrics_json, progress=not a.no_progress, progress_every=a.progress_every,
+            profile_steps=profile,
+            final_weights=a.final_weights, init_from=a.init_from, init_weights=a.init_weights,
         ),
     )
 

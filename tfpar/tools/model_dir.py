@@ -1,10 +1,9 @@
 """A training run's model dir as the commands read it back: its config, vocabulary and
 the checkpoint of the weights asked for (``--weights latest | best``).
 
-A model dir holds ``config.json``, ``vocab.txt``, ``checkpoints/`` (the latest states)
-and, once an epoch has ended, ``best/`` (the state of the epoch with the best valid
-perplexity; :class:`tfpar.training.checkpoints.Checkpointer`). ``tfpar-evaluate`` and
-``tfpar-generate`` rebuild the model from the config and restore the weights, as
+Reading the model dir is :mod:`tfpar.training.stored`'s (a fine-tuning run's
+``--init-from`` reads it the same way); this module adds the flags and the model.
+``tfpar-evaluate`` and ``tfpar-generate`` rebuild the model from the config and restore the weights, as
 training saved them, by name (:func:`tfpar.training.state.named_weights`).
 """
 
@@ -13,11 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 
-from tfpar.config import Config
-from tfpar.errors import CheckpointError, ConfigError
+from tfpar.errors import ConfigError
+# Read back in the training layer, where a fine-tuning run (--init-from) reads it too.
+from tfpar.training.stored import WEIGHTS, checkpoint_path, restore_weights, stored_run
 
-# --weights: the folder of the model dir each choice reads its checkpoint from.
-WEIGHTS = {"latest": "checkpoints", "best": "best"}
+__all__ = ["WEIGHTS", "add_weights_flag", "check_weights", "checkpoint_path",
+           "restore_weights", "restored_model", "stored_run"]
 
 
 def add_weights_flag(p: argparse.ArgumentParser) -> None:
@@ -32,68 +32,6 @@ def check_weights(args: argparse.Namespace) -> None:
     if args.model and args.weights != "latest":
         raise ConfigError(f"--weights {args.weights} applies to --model-dir only; a SavedModel "
                           "(--model) holds the weights it was exported with")
-
-
-def stored_run(model_dir: str) -> tuple[Config, str]:
-    """The run's config and the path of its vocabulary.
-
-    Raises:
-      CheckpointError: ``model_dir`` is no training run's model dir.
-    """
-    import tensorflow as tf
-
-    from tfpar import files
-    from tfpar.training.checkpoints import CONFIG_FILE
-
-    path = os.path.join(model_dir, CONFIG_FILE)
-    vocab = os.path.join(model_dir, "vocab.txt")
-    files.check_file_system(model_dir, "--model-dir")
-    if not tf.io.gfile.isdir(model_dir):
-        raise CheckpointError(f"--model-dir {model_dir!r} does not exist; give a training "
-                              "run's model dir")
-    for needed in (path, vocab):
-        if not tf.io.gfile.exists(needed) or tf.io.gfile.isdir(needed):
-            raise CheckpointError(f"--model-dir {model_dir!r} has no {os.path.basename(needed)};"
-                                  " give the model dir of a tfpar training run")
-    return Config.from_json(files.read_text(path)), vocab
-
-
-def checkpoint_path(model_dir: str, weights: str) -> str:
-    """The checkpoint (``.../ckpt-N``) of ``weights`` (a :data:`WEIGHTS` key) in the run.
-
-    Raises:
-      CheckpointError: the run has no such checkpoint (yet).
-    """
-    import tensorflow as tf
-
-    folder = WEIGHTS[weights]
-    path = tf.train.latest_checkpoint(os.path.join(model_dir, folder))
-    if path:
-        return path
-    if weights == "best":
-        raise CheckpointError(f"--model-dir {model_dir!r} has no checkpoint in best/ (kept "
-                              "at the first epoch end); use --weights latest, or train a "
-                              "whole epoch")
-    raise CheckpointError(f"--model-dir {model_dir!r} has no checkpoint in {folder}/; "
-                          "train it first")
-
-
-def restore_weights(layers: dict, path: str) -> None:
-    """Restores the model weights ``layers`` (:func:`tfpar.training.state.named_weights`)
-    from checkpoint ``path``; optimizer slots and counters in it are left unread.
-
-    Raises:
-      CheckpointError: the checkpoint does not hold these weights (another model).
-    """
-    import tensorflow as tf
-
-    try:
-        tf.train.Checkpoint(layers=layers).restore(path) \
-            .expect_partial().assert_existing_objects_matched()
-    except (AssertionError, ValueError, tf.errors.OpError) as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"checkpoint {path!r} does not fit the model its config.json "
-                              f"describes: {reason}") from None
 
 
 def restored_model(model_dir: str, weights: str):

@@ -4,9 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import sys
+import time
 
 import keras
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,25 +69,101 @@ class CheckpointHook:
             self.checkpointer.save(r.step)
 
 
+def on_terminal() -> bool:
+    """Whether ``sys.stdout``, where Keras draws its progress bars, is a terminal: off
+    one (a file, a pipe) a bar is a stream of carriage-return redraws."""
+    return sys.stdout.isatty()
+
+
 class ProgressHook:
-    """A Keras progress bar per epoch. Its loss and ppl are the epoch's so far, per token
-    (``exp(total nll / total tokens)``, the figure the epoch line prints at the end), and
-    tok/s the epoch's rate so far; Keras' own averaging of per-step values would show the
-    mean of per-step perplexities, which early high-loss steps dominate."""
+    """An epoch's progress: on a terminal a Keras progress bar, anywhere else (a file, a
+    pipe, a job's log) one plain log line every ``every`` seconds and at the epoch end
+    (``every`` 0: at the epoch end only), since a bar written there is a stream of
+    carriage-return redraws. Both show the same figures: loss and ppl are the epoch's so
+    far, per token (``exp(total nll / total tokens)``, the figure the epoch line prints
+    at the end), and tok/s the epoch's rate so far; Keras' own averaging of per-step
+    values would show the mean of per-step perplexities, which early high-loss steps
+    dominate.
 
-    def __init__(self):
+    Args:
+      every: seconds between two lines off a terminal (0: only at the epoch end).
+      clock: seconds on a monotonic clock (a fake one in tests).
+      tty: whether the bar is drawn (None: :func:`on_terminal`, asked at each epoch's
+        start).
+    """
+
+    def __init__(self, every: float = 30.0, *, clock=time.monotonic, tty: bool | None = None):
+        self.every, self.clock, self.tty = every, clock, tty
         self.bar = None
+        self.started = False  # an epoch has started
+        self.epoch: int | None = None
+        self.total: int | None = None
+        self.steps = 0
+        self.began = self.last_line = 0.0
+        self.line_at = -1  # self.steps when the last line was logged
         self.nll = self.count = self.seconds = 0.0
 
-    def start_epoch(self, total: int | None) -> None:
+    def start_epoch(self, total: int | None, epoch: int | None = None) -> None:
+        """A new epoch (``epoch`` counted from 0) with ``total`` steps to go (None:
+        not known)."""
+        tty = self.tty if self.tty is not None else on_terminal()
         self.bar = keras.utils.Progbar(total, unit_name="step",
-                                       stateful_metrics=["loss", "ppl", "tok/s"])
+                                       stateful_metrics=["loss", "ppl", "tok/s"]) if tty else None
+        self.started = True
+        self.epoch, self.total, self.steps, self.line_at = epoch, total, 0, -1
+        self.began = self.last_line = self.clock()
         self.nll = self.count = self.seconds = 0.0
+
+    @property
+    def loss(self) -> float:
+        return self.nll / max(self.count, 1.0)
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(min(self.loss, 50.0))
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.count / max(self.seconds, 1e-9)
 
     def __call__(self, r: Record) -> None:
+        if not self.started:
+            return
+        self.nll, self.count = self.nll + r.nll, self.count + r.count
+        self.seconds += r.seconds
+        self.steps += r.steps
         if self.bar is not None:
-            self.nll, self.count = self.nll + r.nll, self.count + r.count
-            self.seconds += r.seconds
-            loss = self.nll / max(self.count, 1.0)
-            self.bar.add(r.steps, [("loss", loss), ("ppl", math.exp(min(loss, 50.0))),
-                                   ("tok/s", self.count / max(self.seconds, 1e-9))])
+            self.bar.add(r.steps, [("loss", self.loss), ("ppl", self.ppl),
+                                   ("tok/s", self.tokens_per_sec)])
+        elif self.every and self.clock() - self.last_line >= self.every:
+            self.log_line()
+
+    def end_epoch(self) -> None:
+        """The epoch's training is over (or the run stops in it): off a terminal, its
+        last line, unless one was logged at this very step."""
+        if self.bar is None and self.started and self.steps and self.line_at != self.steps:
+            self.log_line()
+
+    def log_line(self) -> None:
+        """``epoch 1: step 120/1001 (11%), loss 5.12, ppl 167.43, 2,918 tok/s, ETA 4m50s``."""
+        now = self.clock()
+        self.last_line, self.line_at = now, self.steps
+        where = f"step {self.steps}"
+        eta = ""
+        if self.total:
+            where += f"/{self.total} ({100 * self.steps // self.total}%)"
+            left = max(self.total - self.steps, 0)
+            if left:
+                eta = f", ETA {wall_time((now - self.began) / self.steps * left)}"
+        epoch = f"epoch {self.epoch + 1}: " if self.epoch is not None else ""
+        log.info("%s%s, loss %.2f, ppl %.2f, %s tok/s%s", epoch, where, self.loss, self.ppl,
+                 f"{self.tokens_per_sec:,.0f}", eta)
+
+
+def wall_time(seconds: float) -> str:
+    """``1h02m03s``, ``4m05s`` or ``6.7s``."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"

@@ -25,7 +25,7 @@ from tfpar.errors import Interrupted, Preempted, TrainingError
 from tfpar.model.precision import loss_scaled
 from tfpar.objective.losses import perplexity
 from tfpar.objective.step import run_steps
-from tfpar.training.hooks import CheckpointHook, ProgressHook, Record, SummaryHook
+from tfpar.training.hooks import CheckpointHook, ProgressHook, Record, SummaryHook, wall_time
 from tfpar.training.preemption import StopTogether
 from tfpar.training.schedule import applied_learning_rate
 
@@ -103,7 +103,7 @@ class Loop:
         self.stop_signal = StopSignal() if cluster_resolver is None else StopSignal(
             "every worker of the job stops after the same step, agreed on now")
         self.together: StopTogether | None = None
-        self.bar = ProgressHook() if config.run.progress else None
+        self.bar = ProgressHook(config.run.progress_every) if config.run.progress else None
         self.hooks = [SummaryHook(writer, config.run.log_every),
                       CheckpointHook(checkpointer, config.run.checkpoint_every)]
         if self.bar is not None:
@@ -142,6 +142,8 @@ class Loop:
                 epoch = int(self.state.epoch.numpy())
                 self.epoch_began = (time.perf_counter(), dataclasses.replace(self.progress))
                 self.train_epoch(epoch, int(self.state.batch_in_epoch.numpy()))
+                if self.bar is not None:
+                    self.bar.end_epoch()  # off a terminal: the epoch's last progress line
                 if self.done() and int(self.state.batch_in_epoch.numpy()) != 0:
                     break
                 self.end_epoch(epoch)
@@ -159,14 +161,15 @@ class Loop:
         """The batches of ``epoch`` after the first ``skip`` (one pass of the input)."""
         return count_batches(self.train_batches(epoch, 0)) - skip
 
-    def start_bar(self, todo: int | None) -> None:
-        """The progress bar of an epoch with ``todo`` batches left (fewer by --max-steps;
+    def start_bar(self, todo: int | None, epoch: int) -> None:
+        """The progress of ``epoch`` with ``todo`` batches left (fewer by --max-steps;
         None: not known)."""
         if self.bar is not None:
             max_steps = self.config.train.max_steps
             if todo is None:
                 todo = max_steps - self.step if max_steps else None
-            self.bar.start_epoch(min(todo, max_steps - self.step) if max_steps else todo)
+            self.bar.start_epoch(min(todo, max_steps - self.step) if max_steps else todo,
+                                 epoch)
 
     def bar_total(self, epoch: int, skip: int) -> int | None:
         """The batches left for the progress bar: counted by a pass over the input when
@@ -179,7 +182,7 @@ class Loop:
     def train_epoch(self, epoch: int, skip: int) -> None:
         batches = self.plugin.distribute(lambda ctx: self.train_batches(epoch, skip, ctx))
         if self.bar is not None:
-            self.start_bar(self.bar_total(epoch, skip))
+            self.start_bar(self.bar_total(epoch, skip), epoch)
         stream = self.config.data.mode == "stream"
         train_step = restart_state_after_non_finite(self.train_step, self.loss_scaled) \
             if stream else self.train_step
@@ -429,15 +432,6 @@ class Loop:
         log.warning("%s: skipped (--on-nan skip)", what)
 
 
-def wall_time(seconds: float) -> str:
-    """``1h02m03s``, ``4m05s`` or ``6.7s``."""
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, secs = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
-
-
 def is_finite(out) -> bool:
     """Whether a step's loss and gradient norm are both finite (what :meth:`Loop.record`
     accepts)."""
@@ -488,7 +482,7 @@ class AsyncLoop(Loop):
         max_steps = cfg.train.max_steps
         iterators = coordinator.distribute_to_workers(
             lambda ctx, worker: self.train_batches(epoch, skip, ctx, worker))
-        self.start_bar(todo)
+        self.start_bar(todo, epoch)
         every = cfg.run.checkpoint_every or todo
         while todo > 0 and not self.done():
             start = time.perf_counter()

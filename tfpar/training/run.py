@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import time
 from typing import Any
 
@@ -30,7 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar import files
-from tfpar.config import Config
+from tfpar.config import MODEL_SHAPE, Config
 from tfpar.data.pipeline import InputData
 from tfpar.data.sources import LoadedCorpus, load_corpus
 from tfpar.data.vocab import Vocab, train_counts
@@ -40,9 +41,11 @@ from tfpar.parallel.registry import ASYNCHRONOUS, build_strategy
 from tfpar.parallel import parameter_server
 from tfpar.serving import export
 from tfpar.training import checkpoints, summaries
+from tfpar.training.hooks import on_terminal
 from tfpar.training.loop import AsyncLoop, Loop, evaluate
 from tfpar.training.schedule import optimizer_factory
-from tfpar.training.state import build_train_state
+from tfpar.training.state import build_train_state, named_weights
+from tfpar.training.stored import checkpoint_path, checkpoint_step, restore_weights, stored_run
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,51 @@ def check_batch_sizes(config: Config, num_replicas: int) -> None:
                     num_replicas, rows, FEW_ROWS * num_replicas, FEW_ROWS)
 
 
+def init_source(config: Config) -> tuple[Config, str | None]:
+    """``--init-from DIR``: the config of a run that starts from DIR's model weights, and
+    the checkpoint to read them from (None: no --init-from, or the model dir has a
+    checkpoint, which the run resumes instead).
+
+    The weights fit only DIR's model, and their ids only DIR's vocabulary, so the config
+    takes DIR's model shape (:data:`tfpar.config.MODEL_SHAPE` and ``num_sampled``),
+    tokenizer and vocabulary (``DIR/vocab.txt`` as ``--vocab-file``); the rest (data,
+    dropout, optimizer, schedule) is this run's. A resumed run takes them from its own
+    model dir, so DIR need not exist any more. Called before anything is written.
+
+    Raises:
+      ConfigError: --vocab-file, --vocab-size or --min-count given with --init-from.
+      CheckpointError: DIR is no training run's model dir, or has no such checkpoint.
+    """
+    run, data = config.run, config.data
+    if not run.init_from:
+        return config, None
+    for flag, given in (("--vocab-file", data.vocab_file is not None),
+                        ("--vocab-size", data.vocab_size != 0),
+                        ("--min-count", data.min_count != 1)):
+        if given:
+            raise ConfigError(f"{flag} does not apply with --init-from {run.init_from}, whose "
+                              "vocabulary the run takes; drop one of them")
+    resuming = bool(run.model_dir) and tf.train.latest_checkpoint(
+        os.path.join(run.model_dir, "checkpoints")) is not None
+    source = run.model_dir if resuming else run.init_from
+    stored, vocab = stored_run(source, "--model-dir" if resuming else "--init-from")
+    path = None if resuming else checkpoint_path(run.init_from, run.init_weights,
+                                                 "--init-from", "--init-weights")
+    fields = (*MODEL_SHAPE, "num_sampled")
+    shape = {f: getattr(stored.model, f) for f in fields}
+    ignored = [f"{f} {getattr(config.model, f)!r}" for f in fields
+               if getattr(config.model, f) != shape[f]]
+    if stored.data.tokenizer != data.tokenizer:
+        ignored.append(f"tokenizer {data.tokenizer!r}")
+    if not resuming:
+        log.info("--init-from %s: model %s, tokenizer %s and vocabulary %s are its own%s",
+                 run.init_from, ", ".join(f"{f} {shape[f]!r}" for f in fields),
+                 stored.data.tokenizer, vocab,
+                 f" (not this run's {', '.join(ignored)})" if ignored else "")
+    return config.replace(model=shape, data={"tokenizer": stored.data.tokenizer,
+                                             "vocab_file": vocab}), path
+
+
 def load_vocab(config: Config, corpus: LoadedCorpus) -> tuple[Vocab, np.ndarray | None]:
     """The run's vocabulary and the train length histogram of its pass: read from
     ``--vocab-file`` (used whole, no train counts, no pass: the histogram is None) or
@@ -83,7 +131,8 @@ def load_vocab(config: Config, corpus: LoadedCorpus) -> tuple[Vocab, np.ndarray 
         return vocab, None
     train = corpus.splits["train"]
     log.info("vocabulary: counting the train split (%s)", train.describe())
-    counts = train_counts(train, data.tokenizer, progress=config.run.progress)
+    # A bar on a terminal only; off one, the line above and the next say it all.
+    counts = train_counts(train, data.tokenizer, progress=config.run.progress and on_terminal())
     return Vocab.from_counts(counts, max_size=data.vocab_size,
                              min_count=data.min_count), counts.lengths
 
@@ -131,6 +180,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
                        ("--export-dir", config.run.export_dir if config.run.export else ""),
                        ("--metrics-json", config.run.metrics_json)):
         files.check_file_system(path, flag)  # before a step is trained
+    config, init = init_source(config)
     plugin = build_plugin(config)
     log.info("strategy %s", plugin.describe())
     config = steps_per_execution(config, plugin)
@@ -145,14 +195,16 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     timings = {"corpus_seconds": read - started, "vocab_seconds": time.time() - read}
     with checkpoints.open_model_dir(config, plugin.is_chief, vocab=vocab) as model_dir:
         return _train(config, plugin, model_dir, corpus=corpus, vocab=vocab, lengths=lengths,
-                      timings=timings)
+                      timings=timings, init=init)
 
 
 def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
-           vocab: Vocab, lengths, timings: dict[str, float]) -> dict[str, Any]:
+           vocab: Vocab, lengths, timings: dict[str, float],
+           init: str | None = None) -> dict[str, Any]:
     """The run itself, on ``corpus`` and ``vocab``, in a model dir this process holds;
     ``lengths`` is the vocabulary pass's length histogram (None without one); ``timings``
-    (seconds reading the corpus and making the vocabulary) go to the metrics."""
+    (seconds reading the corpus and making the vocabulary) go to the metrics; ``init``:
+    the checkpoint whose model weights a fresh run starts from (:func:`init_source`)."""
     asynchronous = config.dist.strategy in ASYNCHRONOUS
     data = InputData(corpus.splits, vocab, config.data, seed=config.train.seed,
                      lengths=lengths)
@@ -169,7 +221,9 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
                               if config.data.mode == "stream" and not asynchronous else 0)
     ckpt = checkpoints.Checkpointer(model_dir, plugin.is_chief, config.run.keep_checkpoints,
                                     **state.trackables())
-    ckpt.restore_latest()
+    if ckpt.restore_latest() is None and init is not None:
+        restore_weights(named_weights(state.model), init)  # weights only: step 0
+        log.info("initialised from %s (step %d)", init, checkpoint_step(init))
     writer = summaries.Writer(model_dir, plugin.is_chief)
     writer.config_text(config)
     writer.enable_inspection(config, vocab, data)  # per-epoch gradient norms, text samples
