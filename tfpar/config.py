@@ -395,9 +395,15 @@ class RunConfig:
     # The weights the final evaluation and the export use: "best", those of the epoch
     # with the best valid perplexity (kept in <model_dir>/best), or "last".
     final_weights: str = "best"
+    # A side-car evaluator task (TF_CONFIG task type "evaluator") gives up, with an
+    # error, after this many seconds without a new checkpoint.
+    evaluator_timeout: float = 3600.0
 
     def __post_init__(self) -> None:
         _choice("final-weights", self.final_weights, FINAL_WEIGHTS)
+        if not self.evaluator_timeout > 0:
+            raise ConfigError(f"--evaluator-timeout must be > 0 seconds, got "
+                              f"{self.evaluator_timeout:g}")
         _non_negative("checkpoint-every", self.checkpoint_every)
         _positive("keep-checkpoints", self.keep_checkpoints)
         _positive("log-every", self.log_every)

@@ -233,6 +233,10 @@ def add_output_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-every", type=int, default=0,
                    help="checkpoint every N steps (0: each epoch end)")
     g.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept")
+    g.add_argument("--evaluator-timeout", type=float, default=3600.0, metavar="SECONDS",
+                   help="a side-car evaluator task (TF_CONFIG task type evaluator) stops "
+                        "with an error after this long without a new checkpoint "
+                        "(default: %(default)g)")
     g.add_argument("--log-every", type=int, default=10, help="summary interval in steps")
     g.add_argument("--metrics-json", default="",
                    help="write final metrics to this JSON file (a local path or a URL)")
@@ -342,7 +346,7 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
             export=not a.no_export, checkpoint_every=a.checkpoint_every,
             keep_checkpoints=a.keep_checkpoints, log_every=a.log_every,
             metrics_json=a.metrics_json, progress=not a.no_progress, profile_steps=profile,
-            final_weights=a.final_weights,
+            final_weights=a.final_weights, evaluator_timeout=a.evaluator_timeout,
         ),
     )
 

@@ -79,21 +79,11 @@ def checkpoint_path(model_dir: str, weights: str) -> str:
 
 
 def restore_weights(layers: dict, path: str) -> None:
-    """Restores the model weights ``layers`` (:func:`tfpar.training.state.named_weights`)
-    from checkpoint ``path``; optimizer slots and counters in it are left unread.
+    """:func:`tfpar.training.checkpoints.restore_weights` (imported when called: the CLI
+    reads this module before TensorFlow starts)."""
+    from tfpar.training import checkpoints
 
-    Raises:
-      CheckpointError: the checkpoint does not hold these weights (another model).
-    """
-    import tensorflow as tf
-
-    try:
-        tf.train.Checkpoint(layers=layers).restore(path) \
-            .expect_partial().assert_existing_objects_matched()
-    except (AssertionError, ValueError, tf.errors.OpError) as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"checkpoint {path!r} does not fit the model its config.json "
-                              f"describes: {reason}") from None
+    checkpoints.restore_weights(layers, path)
 
 
 def restored_model(model_dir: str, weights: str):

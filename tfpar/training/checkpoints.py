@@ -38,6 +38,47 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 LOCK_FILE = "LOCK"
 BEST = "best"  # <model_dir>/best: the state with the best valid perplexity
+# Written by the chief once the run has trained its last step (and checkpointed it), not
+# on a stop signal or an error: {"step": N}. A side-car evaluator ends after evaluating
+# step N's checkpoint; a resumed run removes the file until it ends again.
+FINAL_STEP_FILE = "final_step.json"
+
+
+def write_final_step(model_dir: str, step: int) -> None:
+    """Records, atomically, that the run ended after ``step`` (its last checkpoint)."""
+    files.write_text(os.path.join(model_dir, FINAL_STEP_FILE), json.dumps({"step": step}))
+
+
+def clear_final_step(model_dir: str) -> None:
+    """Removes the record of an earlier end: this run trains on."""
+    path = os.path.join(model_dir, FINAL_STEP_FILE)
+    if tf.io.gfile.exists(path):
+        tf.io.gfile.remove(path)
+
+
+def final_step(model_dir: str) -> int | None:
+    """The step the run ended after, or None while it has not ended."""
+    path = os.path.join(model_dir, FINAL_STEP_FILE)
+    if not tf.io.gfile.exists(path):
+        return None
+    return int(json.loads(files.read_text(path))["step"])
+
+
+def restore_weights(layers: dict, path: str) -> None:
+    """Restores the model weights ``layers`` (:func:`tfpar.training.state.named_weights`)
+    from checkpoint ``path``; optimizer slots and counters in it are left unread.
+
+    Raises:
+      CheckpointError: the checkpoint does not hold these weights (another model), or
+        it is gone.
+    """
+    try:
+        tf.train.Checkpoint(layers=layers).restore(path) \
+            .expect_partial().assert_existing_objects_matched()
+    except (AssertionError, ValueError, tf.errors.OpError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"checkpoint {path!r} does not fit the model its config.json "
+                              f"describes: {reason}") from None
 
 
 def incompatible(model_dir: str, what: str) -> CheckpointError:
