@@ -70,7 +70,7 @@ def evaluate_checkpoint(model_dir, step, tmp, capsys) -> float:
     return result["perplexity"]
 
 
-def sidecar_argv(run, strategy="multi_worker", timeout="60"):
+def sidecar_argv(run, strategy="multi_worker", timeout="20"):
     return [*run["argv"], "--strategy", strategy, "--evaluator-timeout", timeout]
 
 
@@ -120,9 +120,10 @@ def test_a_bad_evaluator_tf_config_is_refused(strategy, cluster, message):
         is_evaluator(strategy, env)
 
 
-def test_the_train_command_refuses_a_bad_evaluator_in_one_line(run, monkeypatch, capsys):
+def test_the_train_command_refuses_a_bad_evaluator_in_one_line(tiny_args, monkeypatch,
+                                                                capsys):
     monkeypatch.setenv("TF_CONFIG", tf_config_json(CLUSTER, "evaluator", 0))
-    assert train.main([*run["argv"], "--strategy", "default"]) == 2
+    assert train.main([*tiny_args, "--strategy", "default"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "Traceback" not in "\n".join(err)
     assert err[-1] == ("error: TF_CONFIG task type 'evaluator' evaluates the checkpoints of a "

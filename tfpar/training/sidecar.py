@@ -111,7 +111,6 @@ def run_sidecar(config: Config) -> dict[str, Any]:
 
     for _ in tf.train.checkpoints_iterator(directory, timeout=min(POLL_SECONDS, timeout),
                                            timeout_fn=stop_waiting):
-        last["seen"] = time.monotonic()
         if evaluator is None:  # the chief saves the vocabulary before any checkpoint
             evaluator = Evaluator(config)
             writer = tf.summary.create_file_writer(os.path.join(model_dir, RUN))
@@ -128,6 +127,7 @@ def run_sidecar(config: Config) -> dict[str, Any]:
             writer.flush()
             evaluated[step], last["step"] = ppl, step
             log.info("evaluator: step %d (%s): valid perplexity %.3f", step, path, ppl)
+        last["seen"] = time.monotonic()  # the wait for the next one starts now
         if ended():
             break
     if writer is not None:
