@@ -138,3 +138,23 @@ def test_training_tasks_accept_an_evaluator_in_the_cluster():
                                   "ps": ["127.0.0.1:3"], "evaluator": ["127.0.0.1:4"]}, "chief")):
         assert not is_evaluator(strategy, {"TF_CONFIG": tf_config_json(cluster, task, 0)})
         assert is_evaluator(strategy, {"TF_CONFIG": tf_config_json(cluster, "evaluator", 0)})
+
+
+def test_a_resumed_run_unmarks_the_end_until_it_ends_again(run, monkeypatch):
+    """A stop signal (Interrupted, exit 130) in a resumed run leaves no final_step.json:
+    the evaluator of the resumed run waits for its new last step."""
+    from tfpar.errors import Interrupted
+    from tfpar.training import loop
+
+    model_dir = run["tmp"] / "resumed"
+    shutil.copytree(run["model_dir"], model_dir)
+    argv = [a if a != run["model_dir"] else str(model_dir) for a in run["argv"]]
+    argv[argv.index("--max-steps") + 1] = "6"
+
+    def stopped(self):
+        raise Interrupted("stopped by a signal after step 4")
+
+    monkeypatch.setattr(loop.Loop, "run", stopped)
+    assert checkpoints.final_step(model_dir) == 4
+    assert train.main(argv) == 130
+    assert checkpoints.final_step(model_dir) is None
