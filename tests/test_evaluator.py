@@ -158,3 +158,15 @@ def test_a_resumed_run_unmarks_the_end_until_it_ends_again(run, monkeypatch):
     assert checkpoints.final_step(model_dir) == 4
     assert train.main(argv) == 130
     assert checkpoints.final_step(model_dir) is None
+
+
+def test_the_training_cluster_leaves_the_evaluator_out():
+    """What the parameter_server coordinator and servers are given: a coordinator told of
+    the evaluator waits for its server, which never starts (a real 4-process run hung)."""
+    from tfpar.parallel.cluster.tf_config import parse_tf_config
+
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "ps": ["127.0.0.1:3"],
+               "evaluator": ["127.0.0.1:4"]}
+    config = parse_tf_config(tf_config_json(cluster, "chief", 0))
+    assert config.training_cluster == {"chief": ("127.0.0.1:1",), "worker": ("127.0.0.1:2",),
+                                       "ps": ("127.0.0.1:3",)}

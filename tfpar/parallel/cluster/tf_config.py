@@ -66,6 +66,12 @@ class ClusterConfig:
         """This task's "host:port"."""
         return self.cluster[self.task_type][self.task_index]
 
+    @property
+    def training_cluster(self) -> dict[str, tuple[str, ...]]:
+        """The cluster without its side-car ``evaluator``: the tasks that train (a
+        coordinator told of the evaluator would wait for its server, which never starts)."""
+        return {job: a for job, a in self.cluster.items() if job != EVALUATOR}
+
     def count(self, job: str) -> int:
         return len(self.cluster.get(job, ()))
 
