@@ -491,6 +491,7 @@ def test_every_flag_of_every_script_is_in_a_test():
     (lambda: cfg.DistConfig(micro_batches=0), "micro-batches must be > 0, got 0"),
     (lambda: cfg.RunConfig(checkpoint_every=-1), "checkpoint-every must be >= 0, got -1"),
     (lambda: cfg.RunConfig(keep_checkpoints=0), "keep-checkpoints must be > 0, got 0"),
+    (lambda: cfg.RunConfig(evaluator_timeout=0), "--evaluator-timeout must be > 0 seconds, got 0"),
     (lambda: cfg.RunConfig(log_every=0), "log-every must be > 0, got 0"),
     (lambda: cfg.Config.from_dict({"train": {"learning_rate": 1, "lr": 1, "steps": 2}}),
      "unknown train config field(s): learning_rate, steps"),

@@ -408,10 +408,16 @@ class RunConfig:
     init_from: str = ""
     # Which of init_from's checkpoints: "latest" or "best" (its best epoch's).
     init_weights: str = "latest"
+    # A side-car evaluator task (TF_CONFIG task type "evaluator") gives up, with an
+    # error, after this many seconds without a new checkpoint.
+    evaluator_timeout: float = 3600.0
 
     def __post_init__(self) -> None:
         _choice("final-weights", self.final_weights, FINAL_WEIGHTS)
         _choice("init-weights", self.init_weights, INIT_WEIGHTS)
+        if not self.evaluator_timeout > 0:
+            raise ConfigError(f"--evaluator-timeout must be > 0 seconds, got "
+                              f"{self.evaluator_timeout:g}")
         _non_negative("checkpoint-every", self.checkpoint_every)
         _positive("keep-checkpoints", self.keep_checkpoints)
         _positive("log-every", self.log_every)

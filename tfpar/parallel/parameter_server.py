@@ -359,7 +359,8 @@ class ServerTask:
         """Serves this task until the process is stopped."""
         check_port_free(self.cluster.address)
         server = tf.distribute.Server(
-            tf.train.ClusterSpec({job: list(a) for job, a in self.cluster.cluster.items()}),
+            tf.train.ClusterSpec({job: list(a) for job, a in
+                                  self.cluster.training_cluster.items()}),
             job_name=self.cluster.task_type, task_index=self.cluster.task_index,
             protocol="grpc", start=True)
         log.info("%s serving; it runs until it is stopped", self.cluster.task_name)
@@ -413,9 +414,11 @@ def build_coordinator(dist: DistConfig) -> Coordinator:
     partitioner = None
     if config.count("ps") > 1:
         partitioner = TablePartitioner(max_shards=config.count("ps"))
-    strategy = tf.distribute.ParameterServerStrategy(
-        tf.distribute.cluster_resolver.TFConfigClusterResolver(),
-        variable_partitioner=partitioner)
+    # TF_CONFIG's cluster less a side-car evaluator, which is no part of training.
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({job: list(a) for job, a in config.training_cluster.items()}),
+        task_type=config.task_type, task_id=config.task_index, rpc_layer="grpc")
+    strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
     FailureReports.install()
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     return Coordinator(strategy, coordinator, config)

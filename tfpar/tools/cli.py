@@ -244,6 +244,10 @@ def add_output_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-every", type=int, default=0,
                    help="checkpoint every N steps (0: each epoch end)")
     g.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept")
+    g.add_argument("--evaluator-timeout", type=float, default=3600.0, metavar="SECONDS",
+                   help="a side-car evaluator task (TF_CONFIG task type evaluator) stops "
+                        "with an error after this long without a new checkpoint "
+                        "(default: %(default)g)")
     g.add_argument("--log-every", type=int, default=10, help="summary interval in steps")
     g.add_argument("--metrics-json", default="",
                    help="write final metrics to this JSON file (a local path or a URL)")
@@ -359,7 +363,7 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
             export=not a.no_export, checkpoint_every=a.checkpoint_every,
             keep_checkpoints=a.keep_checkpoints, log_every=a.log_every,
             metrics_json=a.metrics_json, progress=not a.no_progress, progress_every=a.progress_every,
-            profile_steps=profile,
+            profile_steps=profile, evaluator_timeout=a.evaluator_timeout,
             final_weights=a.final_weights, init_from=a.init_from, init_weights=a.init_weights,
         ),
     )

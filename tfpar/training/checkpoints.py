@@ -38,6 +38,30 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 LOCK_FILE = "LOCK"
 BEST = "best"  # <model_dir>/best: the state with the best valid perplexity
+# Written by the chief once the run has trained its last step (and checkpointed it), not
+# on a stop signal or an error: {"step": N}. A side-car evaluator ends after evaluating
+# step N's checkpoint; a resumed run removes the file until it ends again.
+FINAL_STEP_FILE = "final_step.json"
+
+
+def write_final_step(model_dir: str, step: int) -> None:
+    """Records, atomically, that the run ended after ``step`` (its last checkpoint)."""
+    files.write_text(os.path.join(model_dir, FINAL_STEP_FILE), json.dumps({"step": step}))
+
+
+def clear_final_step(model_dir: str) -> None:
+    """Removes the record of an earlier end: this run trains on."""
+    path = os.path.join(model_dir, FINAL_STEP_FILE)
+    if tf.io.gfile.exists(path):
+        tf.io.gfile.remove(path)
+
+
+def final_step(model_dir: str) -> int | None:
+    """The step the run ended after, or None while it has not ended."""
+    path = os.path.join(model_dir, FINAL_STEP_FILE)
+    if not tf.io.gfile.exists(path):
+        return None
+    return int(json.loads(files.read_text(path))["step"])
 
 
 def incompatible(model_dir: str, what: str) -> CheckpointError:

@@ -4,7 +4,9 @@ The loop talks to a strategy only through ``tfpar.parallel.base.StrategyPlugin``
 for asynchronous parameter-server training, its coordinator), so a new strategy is a new
 plug-in, not a change here. A run:
 
-1. a parameter-server cluster's worker and ps tasks only serve (chosen first);
+1. a cluster's side-car evaluator task only evaluates the checkpoints
+   (``tfpar.training.sidecar``), a parameter-server cluster's worker and ps tasks only
+   serve (chosen first);
 2. loads the corpus and builds the vocabulary (or reads ``--vocab-file``), then opens the
    model dir, where a resumed run's saved ``vocab.txt`` must hold the same tokens;
 3. builds the train state inside the strategy's scope and restores the latest
@@ -14,7 +16,8 @@ plug-in, not a change here. A run:
    batches and skips the ones already trained), evaluating valid after each epoch; a stop
    signal checkpoints and ends the run (exit 130), under multi_worker on every worker
    after the same step (exit 75, ``tfpar.training.preemption``);
-5. evaluates test, exports a SavedModel and writes the metrics JSON.
+5. records the last step (``final_step.json``, the side-car evaluator's end), evaluates
+   test, exports a SavedModel and writes the metrics JSON.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ from tfpar.errors import ConfigError
 from tfpar.objective.losses import perplexity
 from tfpar.parallel.registry import ASYNCHRONOUS, build_strategy
 from tfpar.parallel import parameter_server
+from tfpar.parallel.cluster import tf_config
 from tfpar.serving import export
-from tfpar.training import checkpoints, summaries
+from tfpar.training import checkpoints, sidecar, summaries
 from tfpar.training.hooks import on_terminal
 from tfpar.training.loop import AsyncLoop, Loop, evaluate
 from tfpar.training.schedule import optimizer_factory
@@ -170,6 +174,8 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     """Trains, evaluates and exports as ``config`` says; returns the final metrics."""
     if config.train.deterministic:
         tf.config.experimental.enable_op_determinism()
+    if tf_config.is_evaluator(config.dist.strategy):  # a side-car: it only evaluates
+        return sidecar.run_sidecar(config)
     if config.dist.strategy == "parameter_server":
         task = parameter_server.server_task(config.dist)
         if task is not None:  # a worker or ps task: it only serves
@@ -224,6 +230,8 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
     if ckpt.restore_latest() is None and init is not None:
         restore_weights(named_weights(state.model), init)  # weights only: step 0
         log.info("initialised from %s (step %d)", init, checkpoint_step(init))
+    if plugin.is_chief:
+        checkpoints.clear_final_step(model_dir)  # an earlier end: this run trains on
     writer = summaries.Writer(model_dir, plugin.is_chief)
     writer.config_text(config)
     writer.enable_inspection(config, vocab, data)  # per-epoch gradient norms, text samples
@@ -251,6 +259,8 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
     progress = loop.run()
 
     last_step = state.step
+    if plugin.is_chief:  # trained and checkpointed to the end (a stop signal raises)
+        checkpoints.write_final_step(model_dir, last_step)
     metrics = _final_metrics(config, plugin, corpus, vocab, progress, model_dir, last_step)
     # Start-up cost, for the corpus-scaling benchmark: when the first step was done (Unix
     # time; None when no step ran), and how long the corpus and the vocabulary took.

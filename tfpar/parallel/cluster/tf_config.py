@@ -17,6 +17,10 @@ Roles per strategy:
     everything), ``worker`` tasks (compute steps) and ``ps`` tasks (hold the variables).
     Workers and ps tasks only serve until they are stopped.
 
+Either may list one ``evaluator`` task (Kubernetes' TFJob does): a side-car that is no
+part of the training cluster (TensorFlow's strategies leave it out). It evaluates each new
+checkpoint of the model dir (:mod:`tfpar.training.sidecar`).
+
 :func:`require_cluster` reads and checks ``TF_CONFIG`` for a strategy; every problem is
 a one-line :class:`~tfpar.errors.ClusterError`. :func:`check_port_free` and
 :class:`PortReservation` check, pick and hold ports. Standard library only (no TensorFlow): the CLI
@@ -38,10 +42,12 @@ from tfpar.errors import ClusterError, command
 LOOPBACK = "127.0.0.1"
 # Jobs each cluster strategy needs and accepts, in the order tasks are listed.
 JOBS = {
-    "multi_worker": {"required": ("worker",), "allowed": ("chief", "worker")},
+    "multi_worker": {"required": ("worker",), "allowed": ("chief", "worker", "evaluator")},
     "parameter_server": {"required": ("chief", "worker", "ps"),
-                         "allowed": ("chief", "worker", "ps")},
+                         "allowed": ("chief", "worker", "ps", "evaluator")},
 }
+# The task type of a side-car evaluator (TensorFlow's and TFJob's name).
+EVALUATOR = "evaluator"
 CLUSTER_STRATEGIES = tuple(JOBS)
 
 
@@ -59,6 +65,12 @@ class ClusterConfig:
     def address(self) -> str:
         """This task's "host:port"."""
         return self.cluster[self.task_type][self.task_index]
+
+    @property
+    def training_cluster(self) -> dict[str, tuple[str, ...]]:
+        """The cluster without its side-car ``evaluator``: the tasks that train (a
+        coordinator told of the evaluator would wait for its server, which never starts)."""
+        return {job: a for job, a in self.cluster.items() if job != EVALUATOR}
 
     def count(self, job: str) -> int:
         return len(self.cluster.get(job, ()))
@@ -161,9 +173,32 @@ def check_jobs(config: ClusterConfig, strategy: str) -> None:
         if job not in jobs["allowed"]:
             raise ClusterError(f"--strategy {strategy} has no {job!r} tasks, but TF_CONFIG's "
                                f"cluster lists some; use only: {', '.join(jobs['allowed'])}")
-    if config.count("chief") > 1:
-        raise ClusterError(f"TF_CONFIG lists {config.count('chief')} chief tasks; a cluster has "
-                           "at most one chief")
+    for job in ("chief", EVALUATOR):
+        if config.count(job) > 1:
+            raise ClusterError(f"TF_CONFIG lists {config.count(job)} {job} tasks; a cluster has "
+                               f"at most one {job}")
+
+
+def is_evaluator(strategy: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is the side-car ``evaluator`` task of ``strategy``'s cluster.
+
+    Raises:
+      ClusterError: ``TF_CONFIG`` is wrong for ``strategy`` (a cluster strategy), or its
+        task is an evaluator but ``strategy`` has no cluster.
+    """
+    env = os.environ if environ is None else environ
+    if strategy in JOBS:
+        return require_cluster(strategy, env).task_type == EVALUATOR
+    text = env.get("TF_CONFIG", "").strip()
+    try:
+        task = json.loads(text).get("task", {}) if text else {}
+    except (json.JSONDecodeError, AttributeError):
+        return False  # a strategy without a cluster does not read TF_CONFIG
+    if isinstance(task, dict) and task.get("type") == EVALUATOR:
+        raise ClusterError(f"TF_CONFIG task type {EVALUATOR!r} evaluates the checkpoints of a "
+                           f"cluster's run, but --strategy {strategy} has no cluster; use "
+                           f"--strategy {' or '.join(JOBS)}")
+    return False
 
 
 def require_cluster(strategy: str, environ: Mapping[str, str] | None = None) -> ClusterConfig:
