@@ -178,14 +178,17 @@ def test_killed_runs_resume_exactly(tmp_path, capsys):
 
 
 def test_a_checkpoint_moved_between_strategies_matches_the_default_run(tmp_path, capsys):
-    code = load_script().main(["matrix", "--modes", "stream", "--sources", "mirrored:2",
-                               "--targets", "tower:3", "--kill-at-step", "8", "--steps", "20",
-                               "--workdir", str(tmp_path / "w")])
+    # Sentence mode here, mirrored -> parallel_do: the move test_portable_checkpoints
+    # makes in stream mode only (pipeline -> mirrored -> tower).
+    code = load_script().main(["matrix", "--modes", "sentence", "--sources", "mirrored:2",
+                               "--targets", "parallel_do:2", "--kill-at-step", "8", "--steps",
+                               "20", "--workdir", str(tmp_path / "w")])
     out = capsys.readouterr().out
     assert code == 0, out
     # The resume restored the checkpoint the kill left (the tool checks it against the
     # state file: 8, or 4 if the kill came before the state file named ckpt-8).
-    resumed = re.search(r"stream mirrored:2 -> tower:3: resumed from step (\d+), max", out)
+    resumed = re.search(r"sentence mirrored:2 -> parallel_do:2: resumed from step (\d+), max",
+                        out)
     assert resumed and int(resumed.group(1)) in (4, 8), out
     row = [line for line in out.splitlines() if line.startswith("| mirrored:2 |")]
     assert len(row) == 1 and float(row[0].split("|")[2]) <= 1e-5
