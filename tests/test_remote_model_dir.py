@@ -71,7 +71,8 @@ def test_a_run_on_ram_trains_resumes_exports_and_logs(tiny_args, ram_root, tmp_p
 
     run = f"{ram_root}/run"
     assert {os.path.basename(p) for p in tf.io.gfile.glob(f"{run}/*")} == {
-        "config.json", "vocab.txt", "checkpoints", "best", "metrics.jsonl", "train", "eval"}
+        "config.json", "vocab.txt", "checkpoints", "best", "metrics.jsonl", "train", "eval",
+        "final_step.json"}  # the end of the run, for a side-car evaluator
     (line,) = tf.io.gfile.GFile(f"{run}/metrics.jsonl").read().splitlines()
     assert (json.loads(line)["epoch"], json.loads(line)["step"]) == (1, 5)
     for events in ("train", "eval"):  # one file per run
