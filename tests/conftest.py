@@ -8,6 +8,7 @@ inherited by every subprocess), so it tests the same CPU paths there; the GPU su
 sees the GPUs.
 """
 
+import importlib.util
 import os
 import re
 
@@ -74,6 +75,15 @@ def write_sharded_corpus(folder, sentences=(1000, 50, 50), train_shards=4):
                 "\n".join(lines[k::shards]) + "\n", encoding="utf-8")
     return folder
 
+
+
+def load_script(name):
+    """A scripts/<name>.py of this clone as a module (its ``main``)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_script",
+                                                  os.path.join(REPO, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 @pytest.fixture
 def tiny_corpus_dir(tmp_path):

@@ -2,29 +2,19 @@
 scripts/train.py's main(argv) on a finished tiny run's model dir."""
 
 import glob
-import importlib.util
 import json
 import os
 import shutil
 
 import pytest
 import tensorflow as tf
-from conftest import PINNED, write_tiny_corpus
+from conftest import PINNED, write_tiny_corpus, load_script
 
 from tfpar.errors import ClusterError
 from tfpar.parallel.cluster.tf_config import is_evaluator, tf_config_json
 from tfpar.training import checkpoints, sidecar
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLUSTER = {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"], "evaluator": ["127.0.0.1:2224"]}
-
-
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(f"{name}_script",
-                                                  os.path.join(REPO, "scripts", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 train = load_script("train")

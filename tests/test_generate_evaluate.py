@@ -1,23 +1,13 @@
 """scripts/generate.py and scripts/evaluate.py, run in-process through main(argv)."""
 
-import importlib.util
 import json
 import os
 import shutil
 
 import numpy as np
 import pytest
-from conftest import PINNED
+from conftest import PINNED, load_script
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(f"{name}_script",
-                                                  os.path.join(REPO, "scripts", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 generate = load_script("generate")

@@ -4,7 +4,6 @@ the plug-in. Tested on ``ram://``, TensorFlow's in-memory file system (one proce
 runs are in-process), which like an object store has no O_EXCL, no folder rename and no
 modification times."""
 
-import importlib.util
 import json
 import os
 import re
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import REPO, assert_resumed_from
+from conftest import REPO, assert_resumed_from, load_script
 from tfpar.serving import export
 from tfpar.errors import CheckpointError, ConfigError
 from tfpar.training import checkpoints
@@ -32,14 +31,6 @@ def ram_root():
     yield root
     if tf.io.gfile.exists(root):
         tf.io.gfile.rmtree(root)
-
-
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(f"{name}_script",
-                                                  os.path.join(REPO, "scripts", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def with_flag(args, flag, value):
