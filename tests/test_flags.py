@@ -427,7 +427,7 @@ NOT_ON_A_TEST_COMMAND_LINE: dict[str, str] = {}
 
 def test_every_flag_of_every_script_is_in_a_test():
     """Each option (any of its spellings: -v or --verbose) of tfpar-train, -generate,
-    -evaluate, -verify, -launch, -download and faults.py (kills, matrix) appears, as a whole word, in some test file's text. A textual check:
+    -evaluate, -verify, -launch, -download, -plot and faults.py (kills, matrix) appears, as a whole word, in some test file's text. A textual check:
     a new flag fails it until a test passes it (whether that test checks its effect is
     up to the test; scripts sharing a flag's name share its entry)."""
     text = "\n".join(open(path, encoding="utf-8").read()
@@ -435,7 +435,7 @@ def test_every_flag_of_every_script_is_in_a_test():
     missing = []
     parsers = script_parsers()
     assert set(parsers) == {"tfpar-train", "tfpar-generate", "tfpar-evaluate", "tfpar-verify",
-                            "tfpar-launch", "tfpar-download", "faults.py"}
+                            "tfpar-launch", "tfpar-download", "tfpar-plot", "faults.py"}
     for script, parser in parsers.items():
         flags = list(flags_of(parser))
         assert len(flags) > 3, script

@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import PINNED
+from tfpar.tools import plot
 from tfpar.tools.cli import train_main
 from tfpar.tools.faults import checkpoint_tensors
 from tfpar.training import loop, run  # noqa: F401 (run binds the real evaluate first)
@@ -113,6 +114,12 @@ def test_last_weights_and_a_resume_keeps_the_selection(tiny_corpus_dir, tmp_path
     assert float(latest["selection/best_valid_ppl/.ATTRIBUTES/VARIABLE_VALUE"]) == \
         pytest.approx(9.0)
     assert int(latest["selection/stale_epochs/.ATTRIBUTES/VARIABLE_VALUE"]) == 3
+    # The resumed run's learning curve draws (tfpar-plot reads the same metrics.jsonl).
+    assert plot.main([str(tmp_path / "run"), "--out", str(tmp_path / "curve.png"),
+                      "--metric", "valid_ppl", "--title", "resumed"]) == 0
+    assert capsys.readouterr().out.startswith(
+        f"wrote {tmp_path / 'curve.png'}: run 5 epochs, best valid ppl 9.00")
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_mid_epoch_last_weights_that_beat_the_best_are_used(tiny_corpus_dir, tmp_path,

@@ -30,6 +30,7 @@ COMMANDS = {
     "tfpar-launch": "tfpar.tools.launch",
     "tfpar-verify": "tfpar.tools.verify",
     "tfpar-benchmark": "tfpar.tools.bench.cli",
+    "tfpar-plot": "tfpar.tools.plot",
 }
 
 
@@ -76,3 +77,7 @@ def verify() -> int:
 
 def benchmark() -> int:
     return start(COMMANDS["tfpar-benchmark"])
+
+
+def plot() -> int:
+    return start(COMMANDS["tfpar-plot"])
