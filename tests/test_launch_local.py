@@ -316,6 +316,40 @@ def test_parameter_server_survives_a_lost_worker_then_a_lost_ps(tmp_path):
 
 
 @pytest.mark.cluster
+def test_sigterm_to_the_parameter_server_chief_stops_the_job_and_the_restart_resumes_there(
+        tmp_path):
+    """SIGTERM to the chief (the coordinator) after its checkpoint of step 20: it stops at
+    its next sync point N with every scheduled step done, saves ckpt-N and exits 75; the
+    launcher then stops the worker and the ps, which end cleanly (status 0, one line
+    each), relaunches the job, and the chief resumes from exactly N."""
+    max_steps, every = 300, 20
+    job = Launched(tmp_path, ["--workers", "1", "--ps", "1", "--restarts", "1"],
+                   small_run(tmp_path, "parameter_server", max_steps, every, "--epochs", "20"))
+    wait_for(checkpoint(tmp_path, every), "the first checkpoint", 300)
+    os.kill(job.pid("chief 0"), signal.SIGTERM)
+    assert job.finish() == 0, job.log[-4000:]
+    log = job.log
+    stopped = re.findall(r"\[chief 0\] error: preempted: SIGTERM reached the chief; the "
+                         r"coordinator stopped after step (\d+) \(every scheduled step done\) "
+                         r"and the checkpoint of that step is saved", log)
+    assert len(stopped) == 1, log[-4000:]
+    step = int(stopped[0])
+    assert every < step < max_steps
+    assert "[launch] chief 0 stopped for a preemption (status 75), its checkpoint saved\n" \
+        in log
+    for task in ("worker 0", "ps 0"):
+        assert f"SIGTERM received: {task} stops serving" in log, log[-4000:]
+        assert f"[launch] stopped {task}: it exited with status 0" in log
+    assert "[launch] restarting the whole job (restart 1 of 1)" in log
+    assert "taking over the stale lock" not in log  # the chief released it
+    assert "Traceback" not in log, log[-4000:]
+    assert resumed_steps(log) == [step]
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert (m["strategy"], m["steps"]) == ("parameter_server", max_steps)
+    assert iterations(tmp_path) == max_steps
+
+
+@pytest.mark.cluster
 def test_parameter_server_chief_killed_the_restart_resumes(tmp_path):
     max_steps, every = 60, 20
     job = Launched(tmp_path, ["--workers", "1", "--ps", "1", "--restarts", "1"],

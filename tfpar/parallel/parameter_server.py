@@ -50,6 +50,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import threading
 
 import tensorflow as tf
 
@@ -356,15 +358,31 @@ class ServerTask:
         return f"parameter_server: {self.cluster.task_name} serving at {self.cluster.address}"
 
     def serve(self) -> None:
-        """Serves this task until the process is stopped."""
+        """Serves this task until SIGTERM or SIGINT, then returns (exit status 0): a
+        stopped job's servers end cleanly, with one line saying so."""
         check_port_free(self.cluster.address)
-        server = tf.distribute.Server(
-            tf.train.ClusterSpec({job: list(a) for job, a in
-                                  self.cluster.training_cluster.items()}),
-            job_name=self.cluster.task_type, task_index=self.cluster.task_index,
-            protocol="grpc", start=True)
-        log.info("%s serving; it runs until it is stopped", self.cluster.task_name)
-        server.join()
+        stopped = threading.Event()
+        received: list[str] = []
+
+        def stop(signum, frame):
+            received.append(signal.Signals(signum).name)
+            stopped.set()
+
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            server = tf.distribute.Server(  # noqa: F841 (serves while referenced)
+                tf.train.ClusterSpec({job: list(a) for job, a in
+                                      self.cluster.training_cluster.items()}),
+                job_name=self.cluster.task_type, task_index=self.cluster.task_index,
+                protocol="grpc", start=True)
+            log.info("%s serving; it runs until it is stopped (SIGTERM)",
+                     self.cluster.task_name)
+            while not stopped.wait(1.0):  # a timed wait: signal handlers run meanwhile
+                pass
+            log.info("%s received: %s stops serving", received[0], self.cluster.task_name)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def _cluster(dist: DistConfig) -> ClusterConfig:

@@ -461,11 +461,20 @@ def restart_state_after_non_finite(train_step, loss_scaled: bool = False):
     return step
 
 
+# Parameter-server training: steps scheduled per worker between two sync points at most,
+# so a stop signal is acted on within that many steps of each worker (a preemption's grace
+# period is tens of seconds; one sync point costs the workers one idle moment).
+STEPS_PER_WORKER_BETWEEN_SYNCS = 16
+
+
 class AsyncLoop(Loop):
-    """Parameter-server training: schedules an epoch's steps without waiting for any, and
-    reads their results only at sync points - every --checkpoint-every steps and at the
-    epoch end - once the coordinator has waited for all of them. Summaries are therefore
-    written per sync point that reaches a --log-every multiple."""
+    """Parameter-server training: schedules steps without waiting for any, and reads
+    their results only at sync points - every --checkpoint-every steps, at the epoch end
+    and at least every ``STEPS_PER_WORKER_BETWEEN_SYNCS`` steps per worker - once the
+    coordinator has waited for all of them. Summaries are therefore written per sync
+    point that reaches a --log-every multiple. A stop signal on the chief is a preemption
+    of the job: the chief checkpoints at the next sync point and exits 75 (the worker and
+    ps tasks stop serving when they are sent theirs)."""
 
     def batches_left(self, epoch: int, skip: int) -> int:
         """The batches the workers make of ``epoch``, after the job's first ``skip``: the
@@ -486,7 +495,8 @@ class AsyncLoop(Loop):
         every = cfg.run.checkpoint_every or todo
         while todo > 0 and not self.done():
             start = time.perf_counter()
-            scheduled = min(todo, every - self.step % every)  # sync on checkpoint steps
+            scheduled = min(todo, every - self.step % every,  # sync on checkpoint steps
+                            STEPS_PER_WORKER_BETWEEN_SYNCS * coordinator.num_workers)
             if max_steps:
                 # At most the updates still missing; a skipped (non-finite) step is not
                 # one, so after a sync point with skips the epoch goes on, as in Loop.
@@ -495,6 +505,21 @@ class AsyncLoop(Loop):
             coordinator.join()
             self.record([coordinator.fetch(f) for f in futures], time.perf_counter() - start)
             todo -= scheduled
+
+    def check_stop_signal(self) -> None:
+        """At every sync point: a stop signal on the chief stops the job. Every scheduled
+        step is done (joined), the checkpoint of this step is saved and Preempted is
+        raised."""
+        if self.stop_signal.received:
+            self.checkpointer.save(self.step)
+            again = ("again" if self.config.run.model_dir else
+                     f"with --model-dir {os.path.dirname(self.checkpointer.directory)}")
+            raise Preempted(
+                f"preempted: {self.stop_signal.received} reached the chief; the "
+                f"coordinator stopped after step {self.step} (every scheduled step done) "
+                f"and the checkpoint of that step is saved in {self.checkpointer.directory}; "
+                f"start the job again (the same command on every task, {again} on the "
+                f"chief) to resume (exit status {Preempted.exit_code})")
 
 
 class StopSignal:

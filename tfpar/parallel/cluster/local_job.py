@@ -255,9 +255,10 @@ class LocalJob:
                     return Outcome(1)
                 if status == PREEMPTED and task.finishes:
                     if not preempted:
+                        others = ("; waiting for the other workers to stop after the same "
+                                  "step" if len(pending) > 1 else "")
                         self.emit(f"[launch] {task.name} stopped for a preemption (status "
-                                  f"{PREEMPTED}), its checkpoint saved; waiting for the other "
-                                  "workers to stop after the same step")
+                                  f"{PREEMPTED}), its checkpoint saved{others}")
                     else:
                         self.emit(f"[launch] {task.name} stopped for the preemption too "
                                   f"(status {PREEMPTED})")
@@ -286,11 +287,12 @@ class LocalJob:
             self.stop()
 
     def stop(self) -> None:
-        """Stops every task still running: SIGTERM, then SIGKILL after ``grace`` seconds."""
-        running = [p for p in self.processes.values() if p.poll() is None]
-        for proc in running:
+        """Stops every task still running: SIGTERM, then SIGKILL after ``grace`` seconds;
+        says how each one ended (a parameter-server task ends with status 0 on SIGTERM)."""
+        running = {t: p for t, p in self.processes.items() if p.poll() is None}
+        for proc in running.values():
             proc.terminate()
-        for proc in running:
+        for task, proc in running.items():
             try:
                 proc.wait(timeout=self.grace)
             except subprocess.TimeoutExpired:
@@ -298,6 +300,8 @@ class LocalJob:
                 proc.wait()
         for thread in self._threads:
             thread.join(timeout=self.grace)
+        for task, proc in running.items():
+            self.emit(f"[launch] stopped {task.name}: it {describe_status(proc.returncode)}")
 
 
 def run_job(make_plan: Callable[[], JobPlan], command: Callable[[Task], list[str]], *,
