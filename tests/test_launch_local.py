@@ -276,6 +276,40 @@ def test_sigterm_to_one_worker_stops_every_worker_after_the_same_step(
 
 
 @pytest.mark.cluster
+def test_sigterm_to_the_chief_of_three_workers_stops_all_three_after_the_same_step(
+        tmp_path_factory):
+    """Three workers on 6 train shards, SIGTERM to worker 0 (the chief) after ckpt-10:
+    all three stop after one agreed step, exit 75 and resume there, and the run ends
+    equal, every tensor, to an uninterrupted 3-worker run (run meanwhile)."""
+    ref = tmp_path_factory.mktemp("three_uninterrupted")
+    shards = write_sharded_corpus(ref / "corpus", train_shards=6)
+    uninterrupted = Launched(ref, ["--workers", "3"],
+                             small_run(ref, "multi_worker", MW_STEPS, 5, data=shards))
+    tmp_path = tmp_path_factory.mktemp("three_preempted")
+    every = 10
+    job = Launched(tmp_path, ["--workers", "3", "--restarts", "1"],
+                   small_run(tmp_path, "multi_worker", MW_STEPS, every, data=shards))
+    wait_for(checkpoint(tmp_path, every), "the checkpoint of step 10", 300)
+    os.kill(job.pid("worker 0"), signal.SIGTERM)
+    assert job.finish() == 0, job.log[-4000:]
+    assert uninterrupted.finish() == 0, uninterrupted.log[-4000:]
+    log = job.log
+    stopped = re.findall(r"\[(worker \d)\] error: preempted: (.*?); every worker stopped "
+                         r"after step (\d+) and the checkpoint", log)
+    assert dict((w, who) for w, who, _ in stopped) == {
+        "worker 0": "SIGTERM reached this worker",
+        "worker 1": "a stop signal reached another worker",
+        "worker 2": "a stop signal reached another worker"}, log[-4000:]
+    steps = {int(n) for _, _, n in stopped}
+    assert len(steps) == 1 and every < min(steps) < MW_STEPS, stopped
+    step = steps.pop()
+    assert "Traceback" not in log, log[-4000:]
+    assert sorted(re.findall(r"\[(worker \d)\] .*resumed from .*ckpt-(\d+) \(step \d+\)",
+                             log)) == [(f"worker {i}", str(step)) for i in range(3)]
+    assert_ends_as_uninterrupted(tmp_path, ref)
+
+
+@pytest.mark.cluster
 def test_parameter_server_survives_a_lost_worker_then_a_lost_ps(tmp_path):
     """A worker SIGKILLed mid-run is started again alone and the coordinator re-schedules
     its steps (no job restart); later the ps task is SIGKILLed: the whole job restarts
@@ -344,25 +378,6 @@ def test_sigterm_to_the_parameter_server_chief_stops_the_job_and_the_restart_res
     assert "taking over the stale lock" not in log  # the chief released it
     assert "Traceback" not in log, log[-4000:]
     assert resumed_steps(log) == [step]
-    m = json.loads((tmp_path / "m.json").read_text())
-    assert (m["strategy"], m["steps"]) == ("parameter_server", max_steps)
-    assert iterations(tmp_path) == max_steps
-
-
-@pytest.mark.cluster
-def test_parameter_server_chief_killed_the_restart_resumes(tmp_path):
-    max_steps, every = 60, 20
-    job = Launched(tmp_path, ["--workers", "1", "--ps", "1", "--restarts", "1"],
-                   small_run(tmp_path, "parameter_server", max_steps, every))
-    wait_for(checkpoint(tmp_path, every), "the first checkpoint", 300)
-    job.kill("chief 0")
-    assert job.finish() == 0, job.log[-4000:]
-    log = job.log
-    assert "[launch] chief 0 was killed by SIGKILL; stopping the job" in log
-    assert "[launch] restarting the whole job (restart 1 of 1)" in log
-    assert "taking over the stale lock" in log  # the killed chief could not release it
-    resumed = resumed_steps(log)
-    assert resumed and every <= resumed[0] < max_steps, resumed
     m = json.loads((tmp_path / "m.json").read_text())
     assert (m["strategy"], m["steps"]) == ("parameter_server", max_steps)
     assert iterations(tmp_path) == max_steps

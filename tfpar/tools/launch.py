@@ -26,6 +26,10 @@ after the same step; each saves the job's checkpoint of that step and exits with
 75. The job is then restarted like a failed one (a restart of --restarts) and resumes
 from that step; with no restart left this command exits 75 and says to run it again.
 
+parameter_server and stop signals: SIGTERM (or SIGINT) to the chief stops the job: the
+chief checkpoints at its next sync point and exits 75, the worker and ps tasks are then
+sent SIGTERM and end with status 0, and the job is restarted like a preempted one.
+
 A parameter_server worker that fails is started again alone, on its port
 (--worker-restarts times at most): the chief's coordinator re-schedules the steps it
 lost and uses it again once it is back, so the job goes on without a restart.
@@ -39,7 +43,7 @@ TF_CONFIG set by you (or your scheduler), e.g. for the second of two workers::
 
 --model-dir must then be storage every task can read (a network file system, GCS):
 workers other than the chief restore from the chief's checkpoints. Parameter-server
-worker and ps tasks serve until they are stopped; stop them when the chief exits.
+worker and ps tasks serve until they are sent SIGTERM; send it when the chief exits.
 """
 
 from __future__ import annotations
