@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tfpar.parallel.cluster.tf_config import (PortReservation, check_jobs, check_port_free,
-                                              parse_tf_config, require_cluster)
+                                              parse_tf_config, require_cluster, tf_config_json)
 from tfpar.parallel.cluster.local_job import (PREEMPTED, LocalJob, flag_value, plan_job, run_job,
                                               train_args_for_cluster)
 from tfpar.errors import ClusterError
@@ -436,6 +436,40 @@ def test_slurm_steps_that_cannot_be_a_cluster_are_one_line(env, strategy, messag
         require_cluster(strategy)
     assert str(e.value) == message
     assert os.environ["TF_CONFIG"] == ""
+
+
+def test_cluster_slurm_reads_only_the_step_and_tf_config_only_the_variable(monkeypatch, tmp_path):
+    """--cluster slurm takes the step's cluster even where a TF_CONFIG is set, without
+    calling scontrol (a fake one on PATH records any call); --cluster tf_config inside a
+    Slurm step still wants TF_CONFIG; --cluster slurm outside a step is one line."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text(f"#!/bin/sh\necho called >> {tmp_path}/scontrol.log\n"
+                                   "echo node9\n")
+    (fake / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    other = tf_config_json({"worker": ["elsewhere:1", "elsewhere:2"]}, "worker", 1)
+    monkeypatch.setenv("TF_CONFIG", other)
+    for k, v in slurm_env(2).items():
+        monkeypatch.setenv(k, v)
+    config = require_cluster("multi_worker", source="slurm")
+    assert config.cluster == {"worker": ("node1:8888", "node1:8889", "node2:8888",
+                                         "node2:8889")}
+    assert (config.task_type, config.task_index) == ("worker", 2)
+    assert not (tmp_path / "scontrol.log").exists()
+    monkeypatch.setenv("TF_CONFIG", other)
+    assert require_cluster("multi_worker").cluster == {"worker": ("elsewhere:1", "elsewhere:2")}
+    monkeypatch.setenv("TF_CONFIG", "")
+    with pytest.raises(ClusterError, match="needs a cluster, but TF_CONFIG is not set"):
+        require_cluster("multi_worker", source="tf_config")
+    monkeypatch.delenv("SLURM_PROCID")
+    monkeypatch.delenv("SLURM_STEP_NODELIST")
+    with pytest.raises(ClusterError) as e:
+        require_cluster("multi_worker", source="slurm")
+    assert str(e.value) == (
+        "--cluster slurm: this process is not a task of a Slurm job step (SLURM_PROCID, "
+        "SLURM_STEP_NODELIST unset); start it with srun inside an allocation, or use "
+        "--cluster tf_config")
 
 
 def test_outside_slurm_a_missing_tf_config_is_still_an_error(monkeypatch):

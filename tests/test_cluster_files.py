@@ -86,7 +86,7 @@ def test_the_tfjob_has_workers_and_an_evaluator_that_run_tfpar_train():
 
 def test_the_slurm_script_runs_tfpar_train_under_srun():
     config = check_sbatch(read("slurm.sbatch"))
-    assert config.dist.strategy == "multi_worker"
+    assert (config.dist.strategy, config.dist.cluster) == ("multi_worker", "slurm")
     assert config.train.batch_size == 160
 
 

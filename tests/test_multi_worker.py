@@ -75,6 +75,10 @@ def worker_config(address="127.0.0.1:1", index=0, workers=2):
     ("{'cluster': 1}", [], "error: TF_CONFIG is not valid JSON"),
     ('{"task": {"type": "worker", "index": 0}}', [], 'error: TF_CONFIG has no "cluster"'),
     (worker_config(index=5), [], "error: TF_CONFIG task index 5 is out of range"),
+    (worker_config(), ["--cluster", "slurm"],
+     "error: --cluster slurm: this process is not a task of a Slurm job step (SLURM_PROCID"),
+    (worker_config(), ["--cluster", "k8s"],
+     "error: unknown cluster 'k8s'; expected one of: auto, tf_config, slurm"),
     pytest.param(worker_config(), ["--communication", "nccl"],
                  "error: --communication nccl needs GPUs on every worker, but this worker has "
                  "none", marks=without_gpus),
@@ -83,6 +87,8 @@ def worker_config(address="127.0.0.1:1", index=0, workers=2):
                  "without GPUs", marks=without_gpus),
 ])
 def test_cluster_errors_are_one_line(tf_config, extra, message, tiny_args, monkeypatch, capsys):
+    for name in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(name, raising=False)
     if tf_config is None:
         monkeypatch.delenv("TF_CONFIG", raising=False)
     else:

@@ -36,6 +36,9 @@ INIT_WEIGHTS = ("latest", "best")
 MODEL_SHAPE = ("cell", "layers", "embed_dim", "hidden_dim", "tie_embeddings", "softmax")
 TOWER_REDUCE = ("controller", "ring")
 COMMUNICATION = ("auto", "ring", "nccl")
+# Where a cluster strategy learns its cluster: TF_CONFIG if set else a Slurm job step
+# (auto), or only one of them.
+CLUSTER_SOURCES = ("auto", "tf_config", "slurm")
 # How text becomes tokens; defined in tfpar/data/tokenize.py.
 TOKENIZERS = ("whitespace", "punct", "char")
 # How a one-file corpus is cut into train, valid and test by default.
@@ -362,8 +365,11 @@ class DistConfig:
     # Hide every GPU and train on CPUs (tfpar.parallel.devices.configure_gpus); without
     # it, a host that should have GPUs where TensorFlow finds none is an error.
     cpu_only: bool = False
+    # multi_worker / parameter_server: where the cluster comes from (CLUSTER_SOURCES).
+    cluster: str = "auto"
 
     def __post_init__(self) -> None:
+        _choice("cluster", self.cluster, CLUSTER_SOURCES)
         _choice("all-reduce", self.all_reduce, ALL_REDUCE)
         _choice("tower-reduce", self.tower_reduce, TOWER_REDUCE)
         _choice("communication", self.communication, COMMUNICATION)

@@ -105,7 +105,7 @@ def build_multi_worker(dist: DistConfig) -> MultiWorkerPlugin:
         taken.
       ConfigError: --devices, --cpu-devices > 1 without GPUs, or nccl without GPUs.
     """
-    config = require_cluster("multi_worker")
+    config = require_cluster("multi_worker", source=dist.cluster)
     if dist.devices:
         raise ConfigError(f"--devices {','.join(dist.devices)}: multi_worker uses every GPU of "
                           "each worker (or its CPU); choose GPUs with CUDA_VISIBLE_DEVICES")

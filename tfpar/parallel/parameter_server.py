@@ -393,7 +393,7 @@ def _cluster(dist: DistConfig) -> ClusterConfig:
       ConfigError: --devices or --cpu-devices > 1 (a worker computes a step on its CPU:0
         or its GPU).
     """
-    config = require_cluster("parameter_server")
+    config = require_cluster("parameter_server", source=dist.cluster)
     if dist.devices or dist.cpu_devices > 1:
         flag = f"--devices {','.join(dist.devices)}" if dist.devices else \
             f"--cpu-devices {dist.cpu_devices}"

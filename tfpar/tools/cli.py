@@ -48,6 +48,11 @@ def add_distribution_flags(p: argparse.ArgumentParser) -> None:
                         "ring all-reduce across towers)")
     g.add_argument("--communication", default="auto",
                    help="multi_worker collectives: auto | ring | nccl")
+    g.add_argument("--cluster", default="auto",
+                   help="multi_worker / parameter_server: where the cluster comes from: "
+                        "tf_config (the TF_CONFIG variable, as Kubernetes' TFJob writes it) | "
+                        "slurm (the srun job step's SLURM_* variables; multi_worker) | auto "
+                        "(TF_CONFIG if set, else the Slurm step; default: %(default)s)")
     g.add_argument("--stages", default="",
                    help="pipeline: part=device list, e.g. embedding=/cpu:0,rnn=/cpu:1,"
                         "softmax=/cpu:1")
@@ -318,7 +323,7 @@ def dist_config_from_args(a: argparse.Namespace) -> cfg.DistConfig:
         variable_device=a.variable_device, tower_reduce=a.tower_reduce,
         communication=a.communication, stages=a.stages, micro_batches=a.micro_batches,
         log_device_placement=a.log_device_placement, soft_placement=a.soft_placement,
-        cpu_only=a.cpu_only,
+        cpu_only=a.cpu_only, cluster=a.cluster,
     )
 
 

@@ -174,7 +174,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     """Trains, evaluates and exports as ``config`` says; returns the final metrics."""
     if config.train.deterministic:
         tf.config.experimental.enable_op_determinism()
-    if tf_config.is_evaluator(config.dist.strategy):  # a side-car: it only evaluates
+    if tf_config.is_evaluator(config.dist.strategy, source=config.dist.cluster):  # a side-car: it only evaluates
         return sidecar.run_sidecar(config)
     if config.dist.strategy == "parameter_server":
         task = parameter_server.server_task(config.dist)

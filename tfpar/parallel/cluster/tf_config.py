@@ -179,7 +179,8 @@ def check_jobs(config: ClusterConfig, strategy: str) -> None:
                                f"at most one {job}")
 
 
-def is_evaluator(strategy: str, environ: Mapping[str, str] | None = None) -> bool:
+def is_evaluator(strategy: str, environ: Mapping[str, str] | None = None,
+                 source: str = "auto") -> bool:
     """Whether this process is the side-car ``evaluator`` task of ``strategy``'s cluster.
 
     Raises:
@@ -188,7 +189,7 @@ def is_evaluator(strategy: str, environ: Mapping[str, str] | None = None) -> boo
     """
     env = os.environ if environ is None else environ
     if strategy in JOBS:
-        return require_cluster(strategy, env).task_type == EVALUATOR
+        return require_cluster(strategy, env, source).task_type == EVALUATOR
     text = env.get("TF_CONFIG", "").strip()
     try:
         task = json.loads(text).get("task", {}) if text else {}
@@ -201,21 +202,32 @@ def is_evaluator(strategy: str, environ: Mapping[str, str] | None = None) -> boo
     return False
 
 
-def require_cluster(strategy: str, environ: Mapping[str, str] | None = None) -> ClusterConfig:
+def require_cluster(strategy: str, environ: Mapping[str, str] | None = None,
+                    source: str = "auto") -> ClusterConfig:
     """The checked ``TF_CONFIG`` of this process for a cluster strategy.
 
-    Without ``TF_CONFIG``, a task of a Slurm job step (``srun``) gets the cluster of the
-    step (:mod:`tfpar.parallel.cluster.slurm`), written to this process's ``TF_CONFIG``
-    (where TensorFlow's strategies read it).
+    ``source`` (``--cluster``): ``auto`` reads ``TF_CONFIG``, and without it a task of a
+    Slurm job step (``srun``) gets the cluster of the step
+    (:mod:`tfpar.parallel.cluster.slurm`); ``tf_config`` reads only ``TF_CONFIG``;
+    ``slurm`` only the Slurm step (a ``TF_CONFIG`` in the environment is then replaced).
+    A Slurm step's cluster is written to this process's ``TF_CONFIG``, where
+    TensorFlow's strategies read it.
 
     Raises:
-      ClusterError: ``TF_CONFIG`` is unset (outside Slurm) or wrong for ``strategy``.
+      ClusterError: ``TF_CONFIG`` is unset (outside Slurm) or wrong for ``strategy``;
+        ``--cluster slurm`` outside a Slurm job step.
     """
     env = os.environ if environ is None else environ
-    text = env.get("TF_CONFIG", "").strip()
-    if not text:
+    text = "" if source == "slurm" else env.get("TF_CONFIG", "").strip()
+    if not text and source != "tf_config":
         from tfpar.parallel.cluster import slurm
 
+        if source == "slurm" and not slurm.in_slurm_step(env):
+            missing = [v for v in slurm.STEP_VARIABLES if v not in env]
+            raise ClusterError(
+                f"--cluster slurm: this process is not a task of a Slurm job step "
+                f"({', '.join(missing)} unset); start it with srun inside an allocation, or "
+                "use --cluster tf_config")
         if slurm.in_slurm_step(env):
             text = tf_config_json(*slurm.slurm_cluster(strategy, env))
             os.environ["TF_CONFIG"] = text
