@@ -410,6 +410,16 @@ def script_parsers() -> dict[str, argparse.ArgumentParser]:
     return parsers
 
 
+def test_no_command_accepts_an_abbreviated_flag():
+    """argparse's abbreviations (``--epoch`` for ``--epochs``) are off in every command and
+    subcommand: an abbreviation would escape the preset merge, and a flag added later
+    could silently change what an abbreviation means."""
+    for name, parser in script_parsers().items():
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        for p in [parser] + [s for a in subs for s in a.choices.values()]:
+            assert p.allow_abbrev is False, (name, p.prog)
+
+
 def flags_of(parser, prefix=""):
     """(where, option strings) of every option, subcommands' included."""
     for action in parser._actions:

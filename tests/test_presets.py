@@ -70,6 +70,8 @@ def test_the_resolved_configuration_is_logged_and_saved(tiny_corpus_dir, tmp_pat
                        str(tmp_path / "run")]) == 0
     err = capsys.readouterr().err
     assert "preset ptb-small (ptb_word_lm.py small" in err and "--optimizer sgd" in err
+    # A boolean is the flag alone (ptb-small unties the embeddings).
+    assert " --no-tie-embeddings " in err and "--no-tie-embeddings False" not in err
     assert "--bptt" not in err.split("preset ptb-small")[1].split("\n")[0]  # given: not taken
     stored = json.loads((tmp_path / "run" / "config.json").read_text())
     assert (stored["train"]["optimizer"], stored["train"]["lr"], stored["data"]["bptt"],

@@ -244,7 +244,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m tfpar.tools.bench_pipeline",
+        allow_abbrev=False, prog="python -m tfpar.tools.bench_pipeline",
         description="Time the pipeline strategy's train step for several numbers of "
                     "micro-batches, next to GPipe's bubble fraction (S-1)/(M+S-1), and "
                     "against the same micro-batches with every stage on one device.")

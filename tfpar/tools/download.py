@@ -405,7 +405,7 @@ def download_lm1b(*, input_dir: str, base_url: str | None = None, timeout: float
 
 def parser(prog: str = "tfpar-download") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=prog,
+        allow_abbrev=False, prog=prog,
         description="Download a known corpus into INPUT_DIR/NAME/ and verify its sha256 "
                     "checksums. Needs network access; training never downloads.")
     p.add_argument(

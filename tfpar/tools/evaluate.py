@@ -33,7 +33,7 @@ DESCRIPTION = ("Perplexity of a corpus split, from a SavedModel or from a traini
 
 
 def parser(prog: str = "tfpar-evaluate") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, allow_abbrev=False)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="a SavedModel version dir or its name dir (highest "
                                        "version)")

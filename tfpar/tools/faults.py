@@ -1016,12 +1016,12 @@ DESCRIPTION = __doc__.split("\n\n")[0]
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="faults.py", description=DESCRIPTION,
+        allow_abbrev=False, prog="faults.py", description=DESCRIPTION,
         epilog="Exit status: 0 all exact / within the tolerance, 1 a failure, 2 a usage error.")
     sub = p.add_subparsers(dest="command", metavar="{kills,matrix}")
     sub.required = True
     k = sub.add_parser(
-        "kills", help="SIGKILL runs at random moments, resume, compare with a reference",
+        "kills", allow_abbrev=False, help="SIGKILL runs at random moments, resume, compare with a reference",
         description="Train once uninterrupted (the reference, wall time T); then per round "
                     "start the same command, SIGKILL it at a moment uniform in [0, T], run "
                     "it again to the end and compare every checkpointed tensor (np.array_equal) "
@@ -1064,7 +1064,7 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--keep", action="store_true",
                    help="keep the runs' model and export dirs (default: deleted)")
     m = sub.add_parser(
-        "matrix", help="move checkpoints between strategies and device counts",
+        "matrix", allow_abbrev=False, help="move checkpoints between strategies and device counts",
         description="For every source and target strategy: kill a run under the source "
                     "once its checkpoint of --kill-at-step exists, resume it under the "
                     "target to --steps and print max |Δ| of every checkpointed tensor "

@@ -28,7 +28,7 @@ DESCRIPTION = "Continue prompts with an exported SavedModel or a training run's 
 
 
 def parser(prog: str = "tfpar-generate") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, allow_abbrev=False)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model",
                        help="a SavedModel version dir (saved_models/<name>/<version>) or its "

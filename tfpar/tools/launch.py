@@ -56,7 +56,7 @@ from typing import Sequence
 
 def parser(prog: str = "tfpar-launch") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=prog,
+        allow_abbrev=False, prog=prog,
         usage="%(prog)s --workers N [--ps M] [--restarts K] [--ports LIST] "
               "[--gpus-per-task G] -- <tfpar-train flags>",
         description=__doc__.split("\n\n")[0].strip(),

@@ -30,7 +30,7 @@ DESCRIPTION = "Learning curves (perplexity and learning rate by epoch) of traini
 
 
 def parser(prog: str = "tfpar-plot") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, allow_abbrev=False)
     p.add_argument("model_dirs", nargs="+", metavar="MODEL_DIR",
                    help="a training run's model dir (holds metrics.jsonl); several are drawn "
                         "on one chart, labelled by their folder names")

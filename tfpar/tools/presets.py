@@ -98,6 +98,12 @@ def apply_preset(args: argparse.Namespace, parser: argparse.ArgumentParser,
 
 def describe(parser: argparse.ArgumentParser, values: Mapping[str, object]) -> str:
     """``--bptt 20 --lr 20.0 ...``: preset values as the flags they stand for."""
-    flag = {action.dest: action.option_strings[-1] for action in parser._actions
-            if action.option_strings}
-    return " ".join(f"{flag[dest]} {value}" for dest, value in values.items())
+    actions = {action.dest: action for action in parser._actions if action.option_strings}
+
+    def as_flag(dest: str, value) -> str:
+        action = actions[dest]
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x
+            return action.option_strings[0 if value else 1]
+        return f"{action.option_strings[-1]} {value}"
+
+    return " ".join(as_flag(dest, value) for dest, value in values.items())

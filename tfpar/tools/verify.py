@@ -518,7 +518,7 @@ def format_table(rows: list[Row]) -> str:
 # ------------------------------------------------------------------------- command line
 def parser(prog: str = "tfpar-verify") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=prog,
+        allow_abbrev=False, prog=prog,
         description=(
             "Train each strategy for a few steps from the same initial weights on the same "
             "global batches (bucketed, variable-length sentences, so replicas hold unequal "

@@ -12,7 +12,7 @@ from tfpar.tools.bench.spec import DEFAULT_PTB, BenchSpec, quick_spec, tiny_spec
 
 def parser(prog: str = "tfpar-benchmark") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=prog,
+        allow_abbrev=False, prog=prog,
         description="Training throughput of tfpar against plain Keras, the input pipeline's "
                     "share, padding, and the cost of distribution, measured side by side.")
     p.add_argument("--data", default=DEFAULT_PTB,
