@@ -7,6 +7,7 @@ import os
 import re
 import socket
 import sys
+import time
 
 import pytest
 
@@ -320,6 +321,63 @@ def test_a_preempted_job_waits_for_every_worker_then_is_relaunched_or_ends_75(tm
     marker.unlink()
     assert run_job(lambda: plan_job("multi_worker", workers=2), python_tasks(scripts),
                    restarts=0, out=io.StringIO()) == PREEMPTED
+
+
+def test_a_signal_to_the_launcher_reaches_the_workers_once_and_ends_the_job(tmp_path):
+    """SIGTERM to the launcher: each worker gets one SIGTERM (it saves and exits 75, as
+    preempted), the job is not restarted although --restarts allows it, and the
+    launcher returns 75. The tasks run in sessions of their own (a terminal's Ctrl-C
+    reaches the launcher only). A second signal stops every task at once."""
+    import signal
+    import threading
+
+    def worker(name):  # counts its SIGTERMs; exits 75 on the first, unless told to wait
+        return (f"import os, signal, sys, time\n"
+                f"got = []\n"
+                f"def on_term(*a):\n"
+                f"    got.append(1)\n"
+                f"    open({str(tmp_path)!r} + '/{name}.term', 'a').write('x')\n"
+                f"    if not os.path.exists({str(tmp_path)!r} + '/hold'): sys.exit(75)\n"
+                f"    if len(got) > 1: sys.exit(130)\n"
+                f"signal.signal(signal.SIGTERM, on_term)\n"
+                f"assert os.getsid(0) == os.getpid()\n"  # a session of its own
+                f"open({str(tmp_path)!r} + '/{name}.up', 'w').close()\n"
+                f"deadline = time.time() + 20\n"  # no SIGTERM passed on: ends 0 (test fails)
+                f"while time.time() < deadline: time.sleep(0.05)\n")
+
+    def signal_launcher_when_up(times):
+        def send():
+            while not all((tmp_path / f"worker {i}.up").exists() for i in range(2)):
+                time.sleep(0.02)
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.3)
+        threading.Thread(target=send, daemon=True).start()
+
+    scripts = {f"worker {i}": worker(f"worker {i}") for i in range(2)}
+    out = io.StringIO()
+    before = signal.getsignal(signal.SIGTERM)
+    signal_launcher_when_up(1)
+    status = run_job(lambda: plan_job("multi_worker", workers=2), python_tasks(scripts),
+                     restarts=1, out=out)
+    assert status == PREEMPTED, out.getvalue()
+    log = out.getvalue()
+    assert ("[launch] SIGTERM received: SIGTERM passed on to worker 0, worker 1; they stop "
+            "after the same step and save it, and the job is not restarted (a second signal "
+            "stops every task at once)") in log
+    assert "restarting" not in log
+    assert [(tmp_path / f"worker {i}.term").read_text() for i in range(2)] == ["x", "x"]
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is put back
+
+    (tmp_path / "hold").touch()  # the workers now wait after a first SIGTERM
+    for i in range(2):
+        (tmp_path / f"worker {i}.up").unlink()
+    signal_launcher_when_up(2)
+    with pytest.raises(KeyboardInterrupt):
+        run_job(lambda: plan_job("multi_worker", workers=2), python_tasks(scripts),
+                out=io.StringIO())
+    # One SIGTERM passed on, then the stop's own: each worker saw two and ended.
+    assert [(tmp_path / f"worker {i}.term").read_text() for i in range(2)] == ["xxx", "xxx"]
 
 
 def test_a_worker_that_goes_on_after_a_preemption_fails_the_job(tmp_path):

@@ -26,6 +26,10 @@ after the same step; each saves the job's checkpoint of that step and exits with
 75. The job is then restarted like a failed one (a restart of --restarts) and resumes
 from that step; with no restart left this command exits 75 and says to run it again.
 
+SIGTERM (or Ctrl-C) to this command is passed on as one SIGTERM to every worker (or the
+parameter_server chief): the job stops as preempted, is not restarted, and this command
+exits 75; a second signal stops every task at once.
+
 parameter_server and stop signals: SIGTERM (or SIGINT) to the chief stops the job: the
 chief checkpoints at its next sync point and exits 75, the worker and ps tasks are then
 sent SIGTERM and end with status 0, and the job is restarted like a preempted one.

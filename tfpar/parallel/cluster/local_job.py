@@ -225,8 +225,11 @@ class LocalJob:
         if self.gpus_per_task:
             env["CUDA_VISIBLE_DEVICES"] = self.plan.gpus(task, self.gpus_per_task)
             gpus = f", GPUs {env['CUDA_VISIBLE_DEVICES'] or 'none'}"
+        # Its own session: a Ctrl-C in the terminal reaches the launcher alone, which
+        # passes one SIGTERM on (a task's second signal would stop it at once).
         proc = subprocess.Popen(self.command(task), env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
         self.processes[task] = proc
         self.emit(f"[launch] started {task.name} (pid {proc.pid}) at "
                   f"{self.plan.cluster[task.type][task.index]}{gpus}")
@@ -286,6 +289,16 @@ class LocalJob:
         finally:
             self.stop()
 
+    def signal_finishing(self, signum: int) -> list[str]:
+        """Sends ``signum`` to every running task that finishes (not to servers, which
+        :meth:`stop` ends once those have exited); returns their names."""
+        sent = []
+        for task, proc in self.processes.items():
+            if task.finishes and proc.poll() is None:
+                proc.send_signal(signum)
+                sent.append(task.name)
+        return sent
+
     def stop(self) -> None:
         """Stops every task still running: SIGTERM, then SIGKILL after ``grace`` seconds;
         says how each one ended (a parameter-server task ends with status 0 on SIGTERM)."""
@@ -324,13 +337,55 @@ def run_job(make_plan: Callable[[], JobPlan], command: Callable[[Task], list[str
     old ones may still be closing); each attempt's plan is released when it ends. A task that exits with status 2 (a usage error) ends
     the job at once: a restart would fail the same way.
 
+    SIGTERM or SIGINT to this process (in the main thread) is passed on as one SIGTERM
+    to the tasks that finish, which stop as for a preemption; the job is then not
+    restarted. A second signal stops every task at once (KeyboardInterrupt).
+
     Returns:
       0 on success, PREEMPTED when the last attempt was preempted, else the failed task's
       status (1 for a signal or an early server exit).
     """
+    with LauncherSignal() as stopping:
+        return _run_attempts(make_plan, command, stopping, restarts=restarts, out=out,
+                             env=env, task_restarts=task_restarts, gpus_per_task=gpus_per_task)
+
+
+class LauncherSignal:
+    """SIGTERM/SIGINT to the launcher, passed on to the current job's finishing tasks."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self.job: LocalJob | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.received:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+        if self.job is not None:
+            sent = self.job.signal_finishing(signal.SIGTERM)
+            self.job.emit(f"[launch] {self.received} received: SIGTERM passed on to "
+                          f"{', '.join(sent) or 'no running task'}; they stop after the same "
+                          "step and save it, and the job is not restarted (a second signal "
+                          "stops every task at once)")
+
+    def __enter__(self) -> "LauncherSignal":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _run_attempts(make_plan, command, stopping: LauncherSignal, *, restarts: int,
+                  out, env, task_restarts: int, gpus_per_task: int) -> int:
     for attempt in range(restarts + 1):
         job = LocalJob(make_plan(), command, out=out, env=env, task_restarts=task_restarts,
                        gpus_per_task=gpus_per_task)
+        stopping.job = job
         if attempt:
             job.emit(f"[launch] restarting the whole job (restart {attempt} of {restarts})"
                      + (": it resumes from the step every worker saved at the preemption"
@@ -345,7 +400,7 @@ def run_job(make_plan: Callable[[], JobPlan], command: Callable[[Task], list[str
             job.plan.release()
         if outcome.status == 0:
             return 0
-        if not outcome.retryable:
+        if not outcome.retryable or stopping.received:
             break
     return outcome.status if outcome.status > 0 else 1
 
