@@ -379,26 +379,29 @@ class Loop:
             return
         if self.stop_signal.received:
             self.checkpointer.save(self.step)
-            # The default model dir is new for every run: then the same command would not
-            # resume, so the message says which flag does.
-            again = ("again" if self.config.run.model_dir else
-                     f"with --model-dir {os.path.dirname(self.checkpointer.directory)}")
-            raise Interrupted(
-                f"stopped by {self.stop_signal.received} after step {self.step}; checkpoint "
-                f"saved in {self.checkpointer.directory}; run the same command {again} to "
-                "resume"
-            )
+            raise self.stopped_by_signal()
+
+    def stopped_by_signal(self) -> Interrupted:
+        """The error a stop signal ends a one-process run with, its checkpoint saved."""
+        return Interrupted(
+            f"stopped by {self.stop_signal.received} after step {self.step}; checkpoint "
+            f"saved in {self.checkpointer.directory}; run the same command "
+            f"{self.run_again()} to resume")
+
+    def run_again(self) -> str:
+        """How the same command resumes: "again", or with the --model-dir flag when the
+        model dir was the default one (new for every run)."""
+        return ("again" if self.config.run.model_dir else
+                f"with --model-dir {os.path.dirname(self.checkpointer.directory)}")
 
     def preempted(self) -> Preempted:
         """The error every worker of a multi-worker job raises at the agreed step."""
         who = (f"{self.stop_signal.received} reached this worker" if self.stop_signal.received
                else "a stop signal reached another worker")
-        again = ("again" if self.config.run.model_dir else
-                 f"with --model-dir {os.path.dirname(self.checkpointer.directory)}")
         return Preempted(
             f"preempted: {who}; every worker stopped after step {self.step} and the "
             f"checkpoint of that step is saved in {self.checkpointer.directory}; run the "
-            f"same command {again} on every worker to resume (exit status "
+            f"same command {self.run_again()} on every worker to resume (exit status "
             f"{Preempted.exit_code})")
 
     def non_finite(self, step: int, nll: float, norm: float, position: int) -> None:
@@ -506,20 +509,15 @@ class AsyncLoop(Loop):
             self.record([coordinator.fetch(f) for f in futures], time.perf_counter() - start)
             todo -= scheduled
 
-    def check_stop_signal(self) -> None:
-        """At every sync point: a stop signal on the chief stops the job. Every scheduled
-        step is done (joined), the checkpoint of this step is saved and Preempted is
-        raised."""
-        if self.stop_signal.received:
-            self.checkpointer.save(self.step)
-            again = ("again" if self.config.run.model_dir else
-                     f"with --model-dir {os.path.dirname(self.checkpointer.directory)}")
-            raise Preempted(
-                f"preempted: {self.stop_signal.received} reached the chief; the "
-                f"coordinator stopped after step {self.step} (every scheduled step done) "
-                f"and the checkpoint of that step is saved in {self.checkpointer.directory}; "
-                f"start the job again (the same command on every task, {again} on the "
-                f"chief) to resume (exit status {Preempted.exit_code})")
+    def stopped_by_signal(self) -> Preempted:
+        """A stop signal on the chief stops the job, at a sync point: every scheduled step
+        is done (joined) and the checkpoint of this step saved."""
+        return Preempted(
+            f"preempted: {self.stop_signal.received} reached the chief; the coordinator "
+            f"stopped after step {self.step} (every scheduled step done) and the checkpoint "
+            f"of that step is saved in {self.checkpointer.directory}; start the job again "
+            f"(the same command on every task, {self.run_again()} on the chief) to resume "
+            f"(exit status {Preempted.exit_code})")
 
 
 class StopSignal:
