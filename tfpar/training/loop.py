@@ -464,16 +464,18 @@ def restart_state_after_non_finite(train_step, loss_scaled: bool = False):
     return step
 
 
-# Parameter-server training: steps scheduled per worker between two sync points at most,
-# so a stop signal is acted on within that many steps of each worker (a preemption's grace
-# period is tens of seconds; one sync point costs the workers one idle moment).
-STEPS_PER_WORKER_BETWEEN_SYNCS = 16
+# Parameter-server training: sync points about this often, so a stop signal is acted on
+# within seconds (a preemption's grace period is tens of seconds), while each sync point,
+# which leaves the workers idle for a moment, stays rare; never fewer steps per worker
+# between two than the minimum below.
+SECONDS_BETWEEN_SYNCS = 5.0
+MIN_STEPS_PER_WORKER_BETWEEN_SYNCS = 16
 
 
 class AsyncLoop(Loop):
     """Parameter-server training: schedules steps without waiting for any, and reads
     their results only at sync points - every --checkpoint-every steps, at the epoch end
-    and at least every ``STEPS_PER_WORKER_BETWEEN_SYNCS`` steps per worker - once the
+    and about every ``SECONDS_BETWEEN_SYNCS`` (the steps that take, measured) - once the
     coordinator has waited for all of them. Summaries are therefore written per sync
     point that reaches a --log-every multiple. A stop signal on the chief is a preemption
     of the job: the chief checkpoints at the next sync point and exits 75 (the worker and
@@ -496,18 +498,21 @@ class AsyncLoop(Loop):
             lambda ctx, worker: self.train_batches(epoch, skip, ctx, worker))
         self.start_bar(todo, epoch)
         every = cfg.run.checkpoint_every or todo
+        least = between_syncs = MIN_STEPS_PER_WORKER_BETWEEN_SYNCS * coordinator.num_workers
         while todo > 0 and not self.done():
             start = time.perf_counter()
-            scheduled = min(todo, every - self.step % every,  # sync on checkpoint steps
-                            STEPS_PER_WORKER_BETWEEN_SYNCS * coordinator.num_workers)
+            # A sync point at every checkpoint step, and every few seconds between.
+            scheduled = min(todo, every - self.step % every, between_syncs)
             if max_steps:
                 # At most the updates still missing; a skipped (non-finite) step is not
                 # one, so after a sync point with skips the epoch goes on, as in Loop.
                 scheduled = min(scheduled, max_steps - self.step)
             futures = [self.train_step(iterators) for _ in range(scheduled)]
             coordinator.join()
-            self.record([coordinator.fetch(f) for f in futures], time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.record([coordinator.fetch(f) for f in futures], seconds)
             todo -= scheduled
+            between_syncs = max(least, int(scheduled * SECONDS_BETWEEN_SYNCS / seconds))
 
     def stopped_by_signal(self) -> Preempted:
         """A stop signal on the chief stops the job, at a sync point: every scheduled step
