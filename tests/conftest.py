@@ -251,3 +251,33 @@ def assert_replicas_placed(ops, devices):
         # this process has enabled op determinism (a process-wide TF setting).
         assert "MatMul" in kinds and kinds & {"SparseSoftmaxCrossEntropyWithLogits",
                                               "LogSoftmax"}, i
+
+
+# ------------------------------------------------ test helpers over the package's data
+import numpy as np  # noqa: E402
+
+
+def sentence_lengths(lines, *, tokenizer: str) -> np.ndarray:
+    """[N] lines → [N] int64 predicted tokens per line in sentence mode: tokens + one
+    ``<eos>`` (what the vocabulary pass's length histogram counts, computed apart)."""
+    import tensorflow as tf
+
+    from tfpar.data.tokenize import split_tokens
+
+    lengths = [split_tokens(tf.constant(list(lines[i:i + 4096]), tf.string),
+                            tokenizer).row_lengths().numpy()
+               for i in range(0, len(lines), 4096)]
+    return np.concatenate([np.zeros([0], np.int64), *lengths]).astype(np.int64) + 1
+
+
+def length_histogram(lengths) -> np.ndarray:
+    """[N] lengths → [HISTOGRAM_BINS] counts, the last bin counting every longer one."""
+    from tfpar.data.vocab import HISTOGRAM_BINS
+
+    return np.bincount(np.minimum(np.asarray(lengths, np.int64), HISTOGRAM_BINS - 1),
+                       minlength=HISTOGRAM_BINS).astype(np.int64)
+
+
+def snapshot(state) -> list[np.ndarray]:
+    """Copies of a TrainState's variables' values, for exact comparisons."""
+    return [np.array(v.numpy()) for v in state.variables()]

@@ -7,10 +7,10 @@ import tensorflow as tf
 from tfpar.config import DataConfig
 from tfpar.errors import DataError
 from tfpar.data.pipeline import (InputData, bucket_boundaries, count_tokens, per_replica,
-                                  sentence_lengths, shard_bounds)
-from tfpar.data.vocab import EOS_ID, PAD_ID, Vocab, length_histogram
+                                  shard_bounds)
+from tfpar.data.vocab import EOS_ID, PAD_ID, Vocab
 
-from conftest import shared_data_dir
+from conftest import length_histogram, sentence_lengths, shared_data_dir
 
 
 def make_lines(n, seed=0, max_words=30):

@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import PINNED, REPO, batch_of
+from conftest import PINNED, REPO, batch_of, snapshot
 from tfpar.config import Config, DataConfig, DistConfig, ModelConfig, RunConfig, TrainConfig
 from tfpar.data.pipeline import InputData, per_replica
 from tfpar.data.vocab import EOS_ID, Vocab
@@ -97,7 +97,7 @@ def same(a: np.ndarray, b: np.ndarray) -> bool:
 
 def changed(state, before) -> list[str]:
     """Paths of the state's variables that differ from the snapshot ``before``."""
-    return [v.path for v, a, b in zip(state.variables(), before, state.snapshot())
+    return [v.path for v, a, b in zip(state.variables(), before, snapshot(state))
             if not same(a, b)]
 
 
@@ -146,7 +146,7 @@ def check_non_finite_steps(state, run, stream_state=None):
     for kind, rows in (("nan", NAN_ROWS), ("inf", INF_ROWS)):
         iterations = int(state.optimizer.iterations.numpy())
         with poisoned(state, kind):
-            before = state.snapshot()
+            before = snapshot(state)
             out = run(rows, stream_state)
             assert non_finite(out.grad_norm), (kind, float(out.grad_norm))
             if kind == "inf":  # only the gradient is bad: the guard is on its norm
@@ -165,11 +165,11 @@ def test_a_non_finite_gradient_changes_no_weight_slot_or_counter(name):
     def run(rows, _state=None):
         return step(distributed(plugin, rows))
 
-    before = state.snapshot()
+    before = snapshot(state)
     check_a_good_step(run(GOOD), state, before, iterations=1)
     assert all(np.any(v.numpy() != 0) for v in slot_variables(state))  # Adam's slots live
     check_non_finite_steps(state, run)
-    before = state.snapshot()
+    before = snapshot(state)
     check_a_good_step(run(GOOD_2), state, before, iterations=2)  # training goes on
 
 
@@ -184,12 +184,12 @@ def test_stream_mode_a_non_finite_window_changes_nothing(name):
     def run(rows, carried):
         return step(distributed(plugin, rows), carried)
 
-    before = state.snapshot()
+    before = snapshot(state)
     first = run(GOOD, None)
     check_a_good_step(first, state, before, iterations=1)
     assert first.state is not None
     check_non_finite_steps(state, run, first.state)
-    before = state.snapshot()
+    before = snapshot(state)
     check_a_good_step(run(GOOD_2, first.state), state, before, iterations=2)
     # Why the loop restarts the state after a non-finite window
     # (test_stream_mode_skip_drops_only_the_bad_window): a NaN window ends in a NaN state.
@@ -226,10 +226,10 @@ def test_parameter_server_step_with_partitioned_variables_changes_nothing():
         iterator = iter(tf.data.Dataset.from_tensors(batch_of(rows)))
         return coordinator.fetch(schedule(iterator))
 
-    before = state.snapshot()
+    before = snapshot(state)
     check_a_good_step(run(GOOD), state, before, iterations=1)
     check_non_finite_steps(state, run)
-    before = state.snapshot()
+    before = snapshot(state)
     check_a_good_step(run(GOOD_2), state, before, iterations=2)
 
 
@@ -243,7 +243,7 @@ def test_an_infinite_loss_with_a_finite_gradient_is_not_applied(name):
     value = bias.numpy()
     value[Q] = -3e38  # each Q target costs 3e38 nats: two of them overflow the sum
     bias.assign(value)
-    before = state.snapshot()
+    before = snapshot(state)
     out = step(distributed(plugin, GOOD[:5] + [[12, Q, Q, 5, 2]]))
     assert float(out.nll_sum) == float("inf")
     assert math.isfinite(float(out.grad_norm))  # softmax - one-hot: finite

@@ -43,7 +43,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import batch_of
+from conftest import batch_of, snapshot
 from tfpar.config import Config, DistConfig, ModelConfig, TrainConfig
 from tfpar.data.pipeline import per_replica
 from tfpar.model.lm import build_model
@@ -328,7 +328,7 @@ def test_a_non_finite_batch_changes_nothing_as_by_hand():
     assert all(np.any(m != 0) for m in ours.momenta())
     for kind, rows in (("nan", NAN_ROWS), ("inf", INF_ROWS)):
         undo_ours, undo_oracle = poison(ours.state.model, kind), poison(oracle.model, kind)
-        before = ours.state.snapshot()
+        before = snapshot(ours.state)
         batch = batch_of(rows)
         out = ours.train(batch)
         loss, _, norm, applied = oracle.train(batch)
@@ -336,7 +336,7 @@ def test_a_non_finite_batch_changes_nothing_as_by_hand():
         if kind == "inf":  # only the norm is bad: the guard must look at it
             assert math.isfinite(loss), loss
         assert not math.isfinite(float(out.grad_norm)), kind
-        after = ours.state.snapshot()
+        after = snapshot(ours.state)
         for v, b, a in zip(ours.state.variables(), before, after):
             assert a.tobytes() == b.tobytes(), f"{kind}: {v.path} changed"
         assert ours.state.step == oracle.updates == 1, kind

@@ -8,7 +8,8 @@ import pytest
 import tensorflow as tf
 
 from tfpar.config import Config, DataConfig
-from tfpar.data.pipeline import InputData, sentence_lengths
+from conftest import sentence_lengths
+from tfpar.data.pipeline import InputData
 from tfpar.data.tokenize import TOKENIZERS, join_tokens, split_tokens
 from tfpar.data.vocab import EOS, EOS_ID, Vocab
 from tfpar.errors import ConfigError

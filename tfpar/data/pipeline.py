@@ -91,15 +91,6 @@ def stream_ids(lines: tf.Tensor, table: tf.lookup.StaticHashTable, *,
     return with_eos(tokenize(lines, table, tokenizer=tokenizer)).flat_values
 
 
-def sentence_lengths(lines: Sequence[str], *, tokenizer: str) -> np.ndarray:
-    """[N] lines → [N] int64 predicted tokens per line in sentence mode: tokens + one
-    ``<eos>``."""
-    lengths = [split_tokens(tf.constant(list(lines[i:i + 4096]), tf.string),
-                            tokenizer).row_lengths().numpy()
-               for i in range(0, len(lines), 4096)]
-    return np.concatenate([np.zeros([0], np.int64), *lengths]).astype(np.int64) + 1
-
-
 # ----------------------------------------------------------------------------- bucketing
 def bucket_boundaries(lengths: np.ndarray, max_length: int, max_pad_fraction: float) -> list[int]:
     """Chooses bucket boundaries from a length histogram.

@@ -247,12 +247,6 @@ class TrainCounts:
     tokenizer: str
 
 
-def length_histogram(lengths: np.ndarray) -> np.ndarray:
-    """[N] lengths → [HISTOGRAM_BINS] counts, the last bin counting every longer one."""
-    return np.bincount(np.minimum(np.asarray(lengths, np.int64), HISTOGRAM_BINS - 1),
-                       minlength=HISTOGRAM_BINS).astype(np.int64)
-
-
 def train_counts(lines: Iterable[str] | TextSplit, tokenizer: str, *,
                  progress: bool = False) -> TrainCounts:
     """One pass over ``lines``: every token's count and the length histogram, in TF ops.

@@ -174,11 +174,6 @@ def compare_tensors(got: dict[str, np.ndarray], expected: dict[str, np.ndarray])
     return Comparison(differing, missing, extra, len(set(got) & set(expected)))
 
 
-def max_abs_difference(got: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> float:
-    """The largest |Δ| of any tensor (inf if the two do not hold the same tensors)."""
-    return compare_tensors(got, expected).worst
-
-
 # --------------------------------------------------------------------- train processes
 def train_env() -> dict[str, str]:
     """The environment of a train.py child: TF's C++ start-up chatter quiet."""

@@ -108,10 +108,6 @@ class TrainState:
             out += list(self.optimizer.variables)
         return out
 
-    def snapshot(self) -> list[np.ndarray]:
-        """Copies of :meth:`variables`' values, for exact comparisons."""
-        return [np.array(v.numpy()) for v in self.variables()]
-
 
 def named_weights(model) -> dict[str, tf.Variable]:
     """``{"rnn_0:lstm_cell:kernel": variable, ...}`` for every model weight (the dropout
