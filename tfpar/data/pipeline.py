@@ -95,8 +95,8 @@ def stream_ids(lines: tf.Tensor, table: tf.lookup.StaticHashTable, *,
 def bucket_boundaries(lengths: np.ndarray, max_length: int, max_pad_fraction: float) -> list[int]:
     """Chooses bucket boundaries from a length histogram.
 
-    ``lengths`` [L]: ``lengths[n]`` sentences have ``n`` predicted tokens
-    (the vocabulary pass's ``TrainCounts.lengths``); longer than ``max_length`` counts as ``max_length``.
+    ``lengths`` [L]: ``lengths[n]`` sentences have ``n`` predicted tokens (the vocabulary
+    pass's ``TrainCounts.lengths``); longer than ``max_length`` counts as ``max_length``.
 
     Greedy from the shortest length: a bucket grows while padding every example in it
     to the bucket's longest length would waste at most ``max_pad_fraction`` of its
