@@ -281,3 +281,17 @@ def length_histogram(lengths) -> np.ndarray:
 def snapshot(state) -> list[np.ndarray]:
     """Copies of a TrainState's variables' values, for exact comparisons."""
     return [np.array(v.numpy()) for v in state.variables()]
+
+
+# ---------------------------------------------------------------- coverage floor
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """The coverage floor (pyproject's ``fail_under``) is the whole suite's: a selection
+    (``-k``, ``-m``, some test files: ``PYTEST_ARGS="-k tower" make test``) reports its
+    coverage but is not failed for it."""
+    tests = os.path.join(REPO, "tests")
+    whole = not (config.option.keyword or config.option.markexpr) and all(
+        os.path.abspath(str(arg)) in (REPO, tests) for arg in config.args)
+    plugin = config.pluginmanager.getplugin("_cov")
+    if not whole and plugin is not None and getattr(plugin, "options", None) is not None:
+        plugin.options.cov_fail_under = 0
