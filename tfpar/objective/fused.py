@@ -41,50 +41,45 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
+from tfpar.config import DEFAULT_SOFTMAX_BLOCKS
 from tfpar.model.xla import when_shapes_fixed
 
-# Defaults of --softmax-blocks ROWSxCOLUMNS, measured on a 2-core AVX-512 CPU (tfpar/docs/
-# benchmarks.md, "The fused output layer"): matmuls over fewer than ~700 rows or a few
-# thousand columns run well below the host's rate for the whole product, which costs
-# more than the passes over a block that outgrows the cache save.
-DEFAULT_ROWS = 1024
-DEFAULT_COLUMNS = 16384
+# --softmax-blocks' defaults (measured; see tfpar.config).
+DEFAULT_ROWS, DEFAULT_COLUMNS = DEFAULT_SOFTMAX_BLOCKS
 
 
-class OutputWeights(NamedTuple):
-    """The output layer as the fused loss reads it."""
-
-    kernel: tf.Tensor  # [D, V] float32, or [V, D] when vocab_major
-    bias: tf.Tensor  # [V] float32
-    vocab_major: bool = False
-    matmul_dtype: str | None = None  # the products' input type (None: float32)
-
-
-def fused_softmax_nll(h: tf.Tensor, weights: OutputWeights, targets: tf.Tensor,
-                      token_weights: tf.Tensor, *, rows: int = DEFAULT_ROWS,
+def fused_softmax_nll(h: tf.Tensor, kernel, bias, targets: tf.Tensor,
+                      token_weights: tf.Tensor, *, vocab_major: bool = False,
+                      matmul_dtype: str | None = None, rows: int = DEFAULT_ROWS,
                       columns: int = DEFAULT_COLUMNS, gradient_in_forward: bool = True
                       ) -> tuple[tf.Tensor, tf.Tensor]:
     """``sum_i w_i * nll_i`` over the output layer's softmax, and ``sum_i w_i``.
 
     Args:
-      h: [N, D] float, the output layer's inputs (after any tied projection).
-      weights: the output layer.
-      targets: [N] int, next-token ids.
-      token_weights: [N] float32, each token's weight (1 real, 0 padding).
+      h: [N, D] float (or [..., D]), the output layer's inputs (after any tied
+        projection).
+      kernel: [D, V] float32, or [V, D] with ``vocab_major`` (a variable or a tensor).
+      bias: [V] float32.
+      targets: [N] int (or [...]), next-token ids.
+      token_weights: [N] float32 (or [...]), each token's weight (1 real, 0 padding).
+      vocab_major: ``kernel`` holds one row per word.
+      matmul_dtype: the products' input type ("bfloat16", "float16"; None: float32).
       rows, columns: the largest block of logits at a time (see the module docstring).
       gradient_in_forward: compute the gradient with the loss, in one pass over the
         logits (training); False: only the loss, the gradient (if one is taken) by
         recomputation (evaluation).
 
     Returns:
-      ``(nll_sum, count)``, float32 scalars, differentiable in ``h`` and the weights.
+      ``(nll_sum, count)``, float32 scalars; ``nll_sum`` is differentiable in ``h``,
+      ``kernel`` and ``bias``.
     """
     h, targets, token_weights = _flat(h, targets, token_weights)
     count = tf.reduce_sum(token_weights)
     if not gradient_in_forward:
-        nll = token_nll(h, weights, targets, rows=rows, columns=columns)
+        nll = token_nll(h, kernel, bias, targets, vocab_major=vocab_major,
+                        matmul_dtype=matmul_dtype, rows=rows, columns=columns)
         return tf.reduce_sum(nll * token_weights), count
-    layout = (weights.vocab_major, weights.matmul_dtype)
+    layout = (vocab_major, matmul_dtype)
 
     @tf.custom_gradient
     def loss(h, kernel, bias):
@@ -96,15 +91,16 @@ def fused_softmax_nll(h: tf.Tensor, weights: OutputWeights, targets: tf.Tensor,
 
         return tf.reduce_sum(nll * token_weights), grad
 
-    return loss(h, _tensor(weights.kernel), _tensor(weights.bias)), count
+    return loss(h, _tensor(kernel), _tensor(bias)), count
 
 
-def token_nll(h: tf.Tensor, weights: OutputWeights, targets: tf.Tensor, *,
-              rows: int = DEFAULT_ROWS, columns: int = DEFAULT_COLUMNS) -> tf.Tensor:
-    """Each token's negative log-likelihood, [N] float32 (``h`` [N, D], ``targets``
-    [N]); its gradient recomputes the logits block by block."""
+def token_nll(h: tf.Tensor, kernel, bias, targets: tf.Tensor, *, vocab_major: bool = False,
+              matmul_dtype: str | None = None, rows: int = DEFAULT_ROWS,
+              columns: int = DEFAULT_COLUMNS) -> tf.Tensor:
+    """Each token's negative log-likelihood, [N] float32 (arguments as
+    :func:`fused_softmax_nll`); its gradient recomputes the logits block by block."""
     h, targets, _ = _flat(h, targets, None)
-    layout = (weights.vocab_major, weights.matmul_dtype)
+    layout = (vocab_major, matmul_dtype)
 
     @tf.custom_gradient
     def nll(h, kernel, bias):
@@ -118,7 +114,7 @@ def token_nll(h: tf.Tensor, weights: OutputWeights, targets: tf.Tensor, *,
 
         return out, grad
 
-    return nll(h, _tensor(weights.kernel), _tensor(weights.bias))
+    return nll(h, _tensor(kernel), _tensor(bias))
 
 
 def _flat(h, targets, token_weights):
