@@ -46,6 +46,7 @@ from tfpar.model.xla import when_shapes_fixed
 
 # --softmax-blocks' defaults (measured; see tfpar.config).
 DEFAULT_ROWS, DEFAULT_COLUMNS = DEFAULT_SOFTMAX_BLOCKS
+_PAR = 1
 
 
 def fused_softmax_nll(h: tf.Tensor, kernel, bias, targets: tf.Tensor,
@@ -172,7 +173,7 @@ def _all_rows(h, targets, g, kernel, bias, layout, *, rows: int, columns: int,
 
     _, nlls, dhs, dw, db = tf.while_loop(
         lambda i, *_: i < blocks, body, (tf.constant(0), nlls, dhs, dw0, db0),
-        parallel_iterations=1)
+        parallel_iterations=_PAR)
     nll = nlls.concat()[:n]
     if not gradient:
         return nll, None, None, None
