@@ -27,6 +27,11 @@ GRAD_TOL = 2e-6
 LOSS_TOL = 1e-6
 
 
+# What the tests differentiate: the loss times a factor, as the step divides the summed
+# loss by the token count (the fused gradient, computed with the loss, takes it after).
+SCALE = 0.37
+
+
 def unfused(h, kernel, bias, targets, weights, *, vocab_major=False, matmul_dtype=None):
     """The reference: the whole logits, TF's cross-entropy, the tape's gradient."""
     with tf.GradientTape() as tape:
@@ -34,15 +39,17 @@ def unfused(h, kernel, bias, targets, weights, *, vocab_major=False, matmul_dtyp
         logits = _matmul(h, kernel, matmul_dtype, transpose_b=vocab_major) + bias
         nll = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets, logits=logits)
         loss = tf.reduce_sum(nll * weights)
-    return loss, tape.gradient(loss, [h, kernel, bias])
+        scaled = loss * SCALE
+    return loss, tape.gradient(scaled, [h, kernel, bias])
 
 
 def fused_loss(h, kernel, bias, targets, weights, **kwargs):
     with tf.GradientTape() as tape:
         tape.watch([h, kernel, bias])
         loss, count = fused.fused_softmax_nll(h, kernel, bias, targets, weights, **kwargs)
+        scaled = loss * SCALE
     tf.debugging.assert_equal(count, tf.reduce_sum(weights))
-    return loss, tape.gradient(loss, [h, kernel, bias])
+    return loss, tape.gradient(scaled, [h, kernel, bias])
 
 
 def assert_close(got, want, grad_tol=GRAD_TOL):
@@ -100,23 +107,41 @@ def test_per_token_nll_and_its_gradient():
     with tf.GradientTape() as tape:
         tape.watch([h, kernel, bias])
         total = tf.reduce_sum(fused.token_nll(h, kernel, bias, targets, columns=30) * g)
+        scaled = total * SCALE
     ref = unfused(h, kernel, bias, targets, g)
-    assert_close((total, tape.gradient(total, [h, kernel, bias])), ref)
+    assert_close((total, tape.gradient(scaled, [h, kernel, bias])), ref)
 
 
 @pytest.mark.parametrize("blocks", [{}, {"rows": 8, "columns": 25}], ids=["one_block", "both"])
 def test_bf16_products_float32_everything_else(blocks):
-    """The products take bfloat16 inputs, as the unfused --precision bf16 path's: one
-    block gives its result to float32 rounding. With blocks, a gradient's products are
-    rounded to bfloat16 block by block and summed in float32 where the unfused path
-    rounds their total once: each side is within half a bfloat16 unit (2**-8) of the
-    magnitudes it rounds, so the two within 2**-7. The loss (every logit one product over
-    D, whatever the blocks) stays within float32's rounding."""
+    """The products take bfloat16 inputs, as the unfused --precision bf16 path's, and
+    round their results to bfloat16; everything else is float32. The gradients differ
+    in what is rounded: the fused path rounds the logits' gradient before the loss's
+    factor, and with blocks each block's products, summed in float32, where the unfused
+    path rounds the scaled gradient and the whole product once. Each side is within half a
+    bfloat16 unit (2**-8) of the magnitudes it rounds, so the two within 2**-7. The loss
+    (every logit one product over D, whatever the blocks) stays within float32's
+    rounding."""
     batch = random_batch(vocab_major=True)
     got = fused_loss(*batch, vocab_major=True, matmul_dtype="bfloat16", **blocks)
     want = unfused(*batch, vocab_major=True, matmul_dtype="bfloat16")
-    assert_close(got, want, grad_tol=GRAD_TOL if not blocks else 2 ** -7)
+    assert_close(got, want, grad_tol=2 ** -7)
     assert all(g.dtype == tf.float32 for g in got[1])
+    # Float32 products would be far closer to float32's result than bfloat16's are.
+    exact = unfused(*batch, vocab_major=True)
+    assert float(tf.reduce_max(tf.abs(got[1][1] - exact[1][1]))) > 1e-4
+
+
+def test_a_huge_vocabulary_in_default_blocks_matches_float64():
+    """793,471 words in the default column blocks (49 of them): the online log-sum-exp
+    stays within float32 rounding of the float64 result."""
+    n, d, vocab = 6, 16, 793_471
+    h, kernel, bias, targets, _ = random_batch(n, d, vocab)
+    got = fused.token_nll(h, kernel, bias, targets).numpy()
+    logits = np.float64(h.numpy()) @ np.float64(kernel.numpy()) + np.float64(bias.numpy())
+    top = logits.max(1)
+    want = top + np.log(np.exp(logits - top[:, None]).sum(1)) - logits[np.arange(n), targets]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
 
 
 def test_the_same_bits_every_run():
