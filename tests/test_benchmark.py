@@ -218,8 +218,7 @@ def test_tiny_run_reports_the_roofline_bf16_and_steps_per_call(tiny_run):
         for mode, table in (("stream", row), ("sentence", sentence)):
             for part in ("softmax", "softmax_unfused"):
                 name = f"{part.replace('softmax', 'output_layer')}_{precision}_{mode}"
-                assert results[f"{name}_fraction_of_limit"] == pytest.approx(
-                    table[part]["limit_ms"] / table[part]["ms"])
+                assert results[f"{name}_fraction_of_limit"] == table[part]["fraction"] > 0
     assert results["fused_vs_unfused"] == pytest.approx(
         side["default"] / side["default_unfused"])
     assert results["breakdown"]["fp32"]["step"]["ms"] == pytest.approx(

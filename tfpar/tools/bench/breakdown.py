@@ -38,6 +38,10 @@ from tfpar.tools.bench.spec import BenchSpec
 from tfpar.tools.bench.workload import model_config
 
 
+# Rounds of every part and its limit, measured in turn.
+ROUNDS = 3
+
+
 def _median_ms(fn, calls: int = 8, rounds: int = 3) -> float:
     fn()
     fn()
@@ -106,9 +110,15 @@ def part_functions(spec: BenchSpec, vocab_size: int, precision: str, *, mode: st
 
 def measure(spec: BenchSpec, vocab_size: int, rates: dict[str, dict[str, float]],
             step_ms: dict[str, float], *, mode: str = "stream") -> dict[str, Any]:
-    """``{precision: {part: {"ms", "limit_ms"}}}`` for fp32 and bf16 in ``mode``;
-    ``step_ms``: the measured default step per precision (its ``rest`` is what the step
-    leaves beyond the parts it runs: ``softmax``, fused, and ``rnn``)."""
+    """``{precision: {part: {"ms", "limit_ms", "fraction"}}}`` for fp32 and bf16 in
+    ``mode``; ``step_ms``: the measured default step per precision (its ``rest`` is what
+    the step leaves beyond the parts it runs: ``softmax``, fused, and ``rnn``), its limit
+    from ``rates`` (the roofline's).
+
+    A part's limit is measured again in every round, next to the part (its products'
+    rates, :func:`roofline.measure_rates`), and its ``fraction`` of the limit is the
+    median of the rounds' ratios: on a host whose load drifts, a limit measured minutes
+    apart from the part would move the fraction by more than what is compared."""
     mms = roofline.step_matmuls(layers=spec.layers, embed_dim=spec.embed_dim,
                                 hidden_dim=spec.hidden_dim, vocab_size=vocab_size,
                                 batch_size=spec.batch_size, bptt=spec.bptt)
@@ -116,16 +126,22 @@ def measure(spec: BenchSpec, vocab_size: int, rates: dict[str, dict[str, float]]
     parts = {"softmax": softmax, "softmax_unfused": softmax,
              "rnn": [m for m in mms if m.name.startswith("lstm")]}
     fns = {p: part_functions(spec, vocab_size, p, mode=mode) for p in ("fp32", "bf16")}
-    out: dict[str, Any] = {}
     timed = {(p, part): [] for p in fns for part in parts}
-    for _ in range(2):  # the two precisions alternate, against the host's drift
+    limits = {(p, part): [] for p in fns for part in parts}
+    for _ in range(ROUNDS):  # parts, precisions and limits alternate, against drift
+        round_rates = roofline.measure_rates(mms, min_seconds=spec.roofline_seconds)
         for precision, table in fns.items():
             for part, fn in table.items():
                 timed[(precision, part)].append(_median_ms(fn))
+                limits[(precision, part)].append(
+                    roofline.limit_seconds(parts[part], round_rates, precision) * 1e3)
+    out: dict[str, Any] = {}
     for precision in fns:
-        row = {part: {"ms": float(np.median(timed[(precision, part)])),
-                      "limit_ms": roofline.limit_seconds(parts[part], rates, precision) * 1e3}
-               for part in parts}
+        row = {}
+        for part in parts:
+            ms, limit = (np.array(x[(precision, part)]) for x in (timed, limits))
+            row[part] = {"ms": float(np.median(ms)), "limit_ms": float(np.median(limit)),
+                         "fraction": float(np.median(limit / ms))}
         if precision in step_ms:
             row["rest"] = {"ms": step_ms[precision] - row["softmax"]["ms"] - row["rnn"]["ms"],
                            "limit_ms": 0.0}

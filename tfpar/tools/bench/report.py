@@ -77,6 +77,7 @@ def format_report(results: dict[str, Any]) -> str:
             lines.append(f"step breakdown, {precision}, {mode} mode (ms measured / at the "
                          "matmul limit): " + ", ".join(
                              f"{part} {v['ms']:.1f}/{v['limit_ms']:.1f}"
+                             + (f" ({v['fraction']:.2f})" if "fraction" in v else "")
                              for part, v in row.items()))
     fractions = {k.removesuffix("_fraction_of_limit"): v for k, v in results.items()
                  if k.startswith("output_layer") and k.endswith("_fraction_of_limit")}
