@@ -99,37 +99,45 @@ def fused_softmax_nll(h: tf.Tensor, kernel, bias, targets: tf.Tensor,
 
 
 def _one_block(h, targets, token_weights, kernel, bias, layout):
-    """The whole [N, V] in one block: the loss pass leaves the logits' gradient ``dz``
-    [N, V] (as much as the unfused path's logits), and its two products run in the
-    gradient function, where the loss's factor ``dy`` scales the [N, D] inputs and
-    outputs instead of the [D, V] kernel gradient.
+    """The whole [N, V] in one block. The loss pass leaves ``e`` [N, V] (the
+    exponentials, each row's sum subtracted at its target; as much as the unfused path's
+    logits) and ``c`` [N] (each token's weight over its row's sum), the logits' gradient
+    being ``c * e`` row by row; the gradient function's two products take ``e`` as it is
+    and the factors ``c`` and the loss's ``dy`` scale their [N, D] inputs and outputs:
+    no pass over [N, V] for them.
 
-    A float32 Dense kernel takes the bias into its products as one more input of ones:
-    ``[h, 1] @ [W; b]`` and ``[h, 1]^T @ dz = [dW; db]``, so the elementwise work skips
-    the bias and the bias gradient's pass over [N, V] (a quarter of its time on the host
-    this was measured on). With 16-bit products the bias stays out of them: its sum and
+    With float32 products the bias rides in them as one more input of ones:
+    ``[h, 1] @ [W; b]`` and ``[h, 1]^T @ (c e) = [dW; db]`` (transposed for a
+    vocab-major kernel), so the elementwise work skips the bias and the bias gradient's
+    pass over [N, V]. With 16-bit products the bias stays out of them: its sum and
     gradient stay float32."""
     vocab_major, dtype = layout
-    with_ones = not vocab_major and dtype is None
+    with_ones = dtype is None
 
     @tf.custom_gradient
     def loss(h, kernel, bias):
         w = _in(kernel, dtype)
         if with_ones:
             h1 = tf.concat([h, tf.ones_like(h[:, :1])], 1)  # [N, D + 1]
-            z = tf.matmul(h1, tf.concat([kernel, bias[None]], 0))
-            nll, dz = _kernels(dtype).loss_and_grad(z, None, targets, token_weights)
+            # [W; b] [D + 1, V], or [E, b] [V, D + 1] one row per word
+            w1 = tf.concat([kernel, bias[:, None] if vocab_major else bias[None]],
+                           1 if vocab_major else 0)
+            z = _product(h1, w1, vocab_major)
+            nll, e, c = _kernels(dtype).loss_and_grad(z, None, targets, token_weights)
         else:
             z = _product(_in(h, dtype), w, vocab_major)
-            nll, dz, db = _kernels(dtype).loss_and_grad(z, bias, targets, token_weights)
+            nll, e, c, db = _kernels(dtype).loss_and_grad(z, bias, targets, token_weights)
 
         def grad(dy):
-            dh = dy * _input_grad(dz, w, vocab_major)
+            scale = (c * dy)[:, None]
+            dh = scale * _input_grad(e, w, vocab_major)
             if with_ones:
-                both = tf.matmul(h1 * dy, dz, transpose_a=True)  # [D + 1, V]: dW, then db
+                both = _weight_grad(h1 * scale, e, vocab_major)  # dW and db side by side
                 d = tf.shape(h)[1]
+                if vocab_major:
+                    return dh, both[:, :d], both[:, d]
                 return dh, tf.slice(both, [0, 0], [d, -1]), tf.reshape(both[d:], [-1])
-            return dh, _weight_grad(_in(dy * h, dtype), dz, vocab_major), dy * db
+            return dh, _weight_grad(_in(h * scale, dtype), e, vocab_major), dy * db
 
         return tf.reduce_sum(nll * token_weights), grad
 
@@ -228,15 +236,17 @@ def _row_block(h, y, g, kernel, bias, layout, *, columns: int, gradient: bool):
     vocab_major, dtype = layout
     vocab = bias.shape[0]
     blocks = -(-vocab // columns)
-    h = _in(h, dtype)
     if blocks == 1:
         w = _in(kernel, dtype)
-        z = _product(h, w, vocab_major)
+        z = _product(_in(h, dtype), w, vocab_major)
         if not gradient:
             m, s, zt = _kernels(None).stats(z, bias, y, *_start(y))
             return m + tf.math.log(s) - zt, None, None, None
-        nll, dz, db = _kernels(dtype).loss_and_grad(z, bias, y, g)
-        return nll, _input_grad(dz, w, vocab_major), _weight_grad(h, dz, vocab_major), db
+        nll, e, c, db = _kernels(dtype).loss_and_grad(z, bias, y, g)
+        scale = c[:, None]
+        return (nll, scale * _input_grad(e, w, vocab_major),
+                _weight_grad(_in(h * scale, dtype), e, vocab_major), db)
+    h = _in(h, dtype)
 
     width = -(-vocab // blocks)  # blocks - 1 of this width, then the rest
     last = (blocks - 1) * width
@@ -346,8 +356,10 @@ def _kernels(dtype: str | None) -> _Kernels:
         return m_new, s, zt
 
     def loss_and_grad(z, bias, y, g):
-        """A whole row's logits at once: ``(nll [R], dz [R, V], dbias [V])``; with
-        ``bias`` None (in ``z`` already) ``(nll, dz)``."""
+        """A whole row's logits at once (``z`` [R, V], ``bias`` [V] or None when ``z``
+        holds it): ``(nll [R], e [R, V], c [R], dbias [V])``, the logits' gradient being
+        ``c[:, None] * e``: ``e = exp(z - max)`` with the row's sum ``s`` subtracted at
+        its target, ``c = g / s`` (without ``dbias`` when ``bias`` is None)."""
         z = tf.cast(z, tf.float32)
         if bias is not None:
             z = z + bias
@@ -355,10 +367,11 @@ def _kernels(dtype: str | None) -> _Kernels:
         e = tf.exp(z - m)
         s = tf.reduce_sum(e, 1)
         nll = m[:, 0] + tf.math.log(s) - tf.gather(z, y, batch_dims=1)
-        dz = e * (g / s)[:, None] - tf.one_hot(y, tf.shape(z)[1]) * g[:, None]
+        e = tf.tensor_scatter_nd_sub(e, tf.stack([tf.range(tf.shape(y)[0]), y], 1), s)
+        c = g / s
         if bias is None:
-            return nll, tf.cast(dz, out)
-        return nll, tf.cast(dz, out), tf.reduce_sum(dz, 0)
+            return nll, tf.cast(e, out), c
+        return nll, tf.cast(e, out), c, tf.reduce_sum(e * c[:, None], 0)
 
     def grad(z, bias, y, lse, g):
         """One block's ``(dz [R, C], dbias [C])`` given the rows' log-sum-exp."""
