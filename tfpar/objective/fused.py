@@ -13,12 +13,15 @@
     gradient dz = g * (exp(z - lse) - onehot(target))   of sum_i g_i nll_i, block by block
              dh[r] += dz @ W[:, c]^T;   dW[:, c] += h[r]^T @ dz;   db[c] += sum_rows dz
 
-With one column block (``columns >= V``) a row block's loss and gradient need one product
-of its logits, so training computes the gradient in the same pass as the loss
-(``gradient_in_forward``; the gradient function only scales it): three products, as the
-unfused path. With several column blocks the loss needs every block before any gradient,
-so each block's logits are computed twice (four products). Evaluation only runs the
-loss pass.
+Training (``gradient_in_forward``) takes the gradient in the loss's pass, so each block's
+logits are computed once when a row's words fit one column block (``columns >= V``):
+three products, as the unfused path. When every token and word fit one block (the
+default blocks at PTB's 700 x 10,000) the pass keeps what the gradient's two products
+need, ``[N, V]`` as the unfused path's logits, and they run in the gradient function
+(:func:`_one_block`); otherwise the gradient is complete after the loss's pass and the
+gradient function only scales it. With several column blocks a row's loss needs every
+block before its gradient, so each block's logits are computed twice (four products).
+Evaluation only runs the loss's pass.
 
 The blocks run in a fixed order (a ``tf.while_loop`` for the rows and one for the
 columns), so a step's result is the same on every run. Each block's elementwise work (the
@@ -46,7 +49,6 @@ from tfpar.model.xla import when_shapes_fixed
 
 # --softmax-blocks' defaults (measured; see tfpar.config).
 DEFAULT_ROWS, DEFAULT_COLUMNS = DEFAULT_SOFTMAX_BLOCKS
-_PAR = 1
 
 
 def fused_softmax_nll(h: tf.Tensor, kernel, bias, targets: tf.Tensor,
@@ -222,7 +224,7 @@ def _all_rows(h, targets, g, kernel, bias, layout, *, rows: int, columns: int,
 
     _, nlls, dhs, dw, db = tf.while_loop(
         lambda i, *_: i < blocks, body, (tf.constant(0), nlls, dhs, dw0, db0),
-        parallel_iterations=_PAR)
+        parallel_iterations=1)
     nll = nlls.concat()[:n]
     if not gradient:
         return nll, None, None, None
