@@ -24,11 +24,15 @@ PRECISIONS = ("fp32", "bf16", *MIXED_PRECISIONS)
 OPTIMIZERS = ("sgd", "adam", "adagrad")
 SOFTMAXES = ("full", "sampled")
 # The fused softmax's largest block of logits (rows = tokens, columns = vocabulary
-# entries) when --softmax-blocks does not give it: measured, tfpar/docs/benchmarks.md
-# ("The fused output layer"). On the 2-core AVX-512 host it was measured on, matmuls over
-# fewer rows or columns than this run well below the host's rate for the whole product,
-# which costs more than the passes over a block larger than the cache save.
-DEFAULT_SOFTMAX_BLOCKS = (1024, 16384)
+# entries) when --softmax-blocks does not give it: measured (tfpar/docs/benchmarks.md,
+# "The fused output layer"). On the 2-core AVX-512 host it was measured on, TensorFlow's
+# matmuls over fewer rows or words run well below its rate for the whole product, which
+# costs more than cache-sized blocks save: training is fastest with a row's words in one
+# block (V = 100k: 0.84 of the products' limit in one block, 0.62 in two, 0.46 in seven;
+# the logits then computed twice), evaluation barely cares (V = 793,471: 0.65-0.67 for
+# 16k to 64k columns). So every vocabulary up to 131,072 words trains in one column
+# block, and a larger one evaluates in blocks of at most 1024 x 131,072 floats (512 MB).
+DEFAULT_SOFTMAX_BLOCKS = (1024, 131072)
 # --num-sampled when --softmax sampled does not give it (Jozefowicz et al. 2016: 8192).
 DEFAULT_NUM_SAMPLED = 8192
 ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
@@ -230,7 +234,7 @@ class ModelConfig:
     # unfused path, kept for comparison). The same weights and loss either way.
     fused_softmax: bool = True
     # The fused loss's largest block of logits, "ROWSxCOLUMNS" (tokens x vocabulary
-    # entries, e.g. "1024x16384"); None: DEFAULT_SOFTMAX_BLOCKS.
+    # entries, e.g. "512x16384"); None: DEFAULT_SOFTMAX_BLOCKS.
     softmax_blocks: str | None = None
 
     def __post_init__(self) -> None:

@@ -3,7 +3,7 @@
 For each vocabulary size V, two child processes evaluate the same model (the benchmark's
 2 x 200 LSTM, untied, the same seed) on the same generated token ids, through the eval
 step every training run uses, in evaluation batches of 20 x 35 = 700 tokens: one with the
-fused softmax (``tfpar.objective.fused``: blocks of at most 1024 x 16384 logits) and one
+fused softmax (``tfpar.objective.fused``: its default blocks, at most 1024 x 131,072 logits) and one
 with ``--no-fused-softmax`` (the [700, V] logits, then the cross-entropy: 2.2 GB of
 float32 logits at V = 793,471). Each child reports its peak resident memory over the whole
 process (``ru_maxrss``: building the model included), its growth over the evaluation
