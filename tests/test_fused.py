@@ -138,6 +138,17 @@ def test_bf16_products_float32_everything_else(blocks):
     assert float(tf.reduce_max(tf.abs(tf.cast(got[1][1], tf.float64) - exact[1][1]))) > 1e-4
 
 
+def test_float16_products_with_more_words_than_float16_counts():
+    """70,000 near-uniform words in one block: a row's sum of exponentials passes
+    float16's largest number, which the gradient's 16-bit inputs must never hold."""
+    batch = random_batch(4, 8, 70_000)
+    batch = (batch[0] * 0.01,) + batch[1:]  # logits near 0: the sum is near V
+    got = fused_loss(*batch, matmul_dtype="float16")
+    want = unfused(*batch)
+    assert all(np.isfinite(g.numpy()).all() for g in got[1])
+    assert_close(got, want, grad_tol=2 ** -9)
+
+
 def test_a_huge_vocabulary_in_many_blocks_matches_float64():
     """793,471 words in column blocks (49 of 16,194): the online log-sum-exp stays within
     float32 rounding of the float64 result."""

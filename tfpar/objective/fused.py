@@ -361,7 +361,8 @@ def _kernels(dtype: str | None) -> _Kernels:
         """A whole row's logits at once (``z`` [R, V], ``bias`` [V] or None when ``z``
         holds it): ``(nll [R], e [R, V], c [R], dbias [V])``, the logits' gradient being
         ``c[:, None] * e``: ``e = exp(z - max)`` with the row's sum ``s`` subtracted at
-        its target, ``c = g / s`` (without ``dbias`` when ``bias`` is None)."""
+        its target, ``c = g / s``; in a 16-bit ``out``, ``e / s`` with 1 subtracted and
+        ``c = g`` (without ``dbias`` when ``bias`` is None)."""
         z = tf.cast(z, tf.float32)
         if bias is not None:
             z = z + bias
@@ -369,8 +370,13 @@ def _kernels(dtype: str | None) -> _Kernels:
         e = tf.exp(z - m)
         s = tf.reduce_sum(e, 1)
         nll = m[:, 0] + tf.math.log(s) - tf.gather(z, y, batch_dims=1)
-        e = tf.tensor_scatter_nd_sub(e, tf.stack([tf.range(tf.shape(y)[0]), y], 1), s)
-        c = g / s
+        targets = tf.stack([tf.range(tf.shape(y)[0]), y], 1)
+        if out == tf.float32:
+            e = tf.tensor_scatter_nd_sub(e, targets, s)
+            c = g / s
+        else:  # the probabilities (their pass casts anyway): float16 tops out at 65,504
+            e = tf.tensor_scatter_nd_sub(e / s[:, None], targets, tf.ones_like(s))
+            c = g
         if bias is None:
             return nll, tf.cast(e, out), c
         return nll, tf.cast(e, out), c, tf.reduce_sum(e * c[:, None], 0)
