@@ -192,7 +192,7 @@ def test_tiny_run_reports_the_roofline_bf16_and_steps_per_call(tiny_run):
     roof = results["roofline"]
     side = results["side_by_side_tokens_per_sec"]
     assert set(roof["fraction_of_limit"]) == set(side)
-    assert {"default_bf16", "default_spe10"} <= set(side)
+    assert {"default_bf16", "default_spe10", "default_unfused"} <= set(side)
     for name, rate in side.items():
         limit = roof["limit_tokens_per_sec"]["bf16" if name == "default_bf16" else "fp32"]
         assert roof["fraction_of_limit"][name] == pytest.approx(rate / limit)
@@ -208,14 +208,25 @@ def test_tiny_run_reports_the_roofline_bf16_and_steps_per_call(tiny_run):
     # parts and the rest add up to the measured default step.
     for precision in ("fp32", "bf16"):
         row = results["breakdown"][precision]
-        assert set(row) == {"softmax", "rnn", "rest", "step"}
+        assert set(row) == {"softmax", "softmax_unfused", "rnn", "rest", "step"}
         assert row["softmax"]["ms"] > 0 and row["rnn"]["limit_ms"] > 0
+        assert row["softmax"]["limit_ms"] == row["softmax_unfused"]["limit_ms"] > 0
         assert sum(row[p]["ms"] for p in ("softmax", "rnn", "rest")) == pytest.approx(
             row["step"]["ms"])
+        sentence = results["breakdown_sentence"][precision]
+        assert set(sentence) == {"softmax", "softmax_unfused", "rnn"}
+        for mode, table in (("stream", row), ("sentence", sentence)):
+            for part in ("softmax", "softmax_unfused"):
+                name = f"{part.replace('softmax', 'output_layer')}_{precision}_{mode}"
+                assert results[f"{name}_fraction_of_limit"] == table[part]["fraction"] > 0
+    assert results["fused_vs_unfused"] == pytest.approx(
+        side["default"] / side["default_unfused"])
     assert results["breakdown"]["fp32"]["step"]["ms"] == pytest.approx(
         1e3 * 80 / results["side_by_side_tokens_per_sec"]["default"])
     assert "roofline:" in printed and "steps per call:" in printed and "bf16 vs fp32" in printed
-    assert "step breakdown, fp32" in printed and "scaling model:" in printed
+    assert "step breakdown, fp32, stream mode" in printed and "scaling model:" in printed
+    assert "step breakdown, bf16, sentence mode" in printed
+    assert "output layer, fraction of its matmul limit: " in printed
 
 
 def test_host_overhead_is_what_n_steps_per_call_save_per_step():

@@ -482,6 +482,12 @@ def test_every_flag_of_every_script_is_in_a_test():
     (lambda: cfg.ModelConfig(embed_dropout=1.0), "embed-dropout must be in [0, 1), got 1.0"),
     (lambda: cfg.ModelConfig(weight_drop=-0.5), "weight-drop must be in [0, 1), got -0.5"),
     (lambda: cfg.ModelConfig(init_scale=-0.1), "init-scale must be >= 0, got -0.1"),
+    (lambda: cfg.ModelConfig(softmax_blocks="1024"),
+     "softmax-blocks '1024' must be ROWSxCOLUMNS, two positive integers (tokens x vocabulary "
+     "entries of logits at a time), e.g. 1024x16384"),
+    (lambda: cfg.ModelConfig(softmax_blocks="0x512"),
+     "softmax-blocks '0x512' must be ROWSxCOLUMNS, two positive integers (tokens x "
+     "vocabulary entries of logits at a time), e.g. 1024x16384"),
     (lambda: cfg.TrainConfig(scale_lr="sqrt"), "unknown scale-lr 'sqrt'; expected one of: "
                                                "none, linear"),
     (lambda: cfg.TrainConfig(on_nan="ignore"), "unknown on-nan 'ignore'; expected one of: "
@@ -725,6 +731,17 @@ def test_saved_model_without_tfpars_signatures(tmp_path):
             f"SavedModel '{version}' lacks the signature(s) score, generate; re-export it "
             "with this tfpar")):
         export.load_saved_model(str(tmp_path / "other"))
+
+
+def test_fused_softmax_flags_reach_the_model_config():
+    from tfpar.tools.cli import config_from_args, train_parser
+
+    model = config_from_args(train_parser().parse_args(
+        ["--no-fused-softmax", "--softmax-blocks", "64X512"])).model
+    assert (model.fused_softmax, model.softmax_block_sizes()) == (False, (64, 512))
+    model = config_from_args(train_parser().parse_args([])).model
+    assert (model.fused_softmax, model.softmax_block_sizes()) == (
+        True, cfg.DEFAULT_SOFTMAX_BLOCKS)
 
 
 @pytest.mark.parametrize("flag,want", [([], None), (["--soft-placement"], True),

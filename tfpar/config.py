@@ -23,6 +23,16 @@ MIXED_PRECISIONS = ("mixed_bfloat16", "mixed_float16")
 PRECISIONS = ("fp32", "bf16", *MIXED_PRECISIONS)
 OPTIMIZERS = ("sgd", "adam", "adagrad")
 SOFTMAXES = ("full", "sampled")
+# The fused softmax's largest block of logits (rows = tokens, columns = vocabulary
+# entries) when --softmax-blocks does not give it: measured (tfpar/docs/benchmarks.md,
+# "The fused output layer"). On the 2-core AVX-512 host it was measured on, TensorFlow's
+# matmuls over fewer rows or words run well below its rate for the whole product, which
+# costs more than cache-sized blocks save: training is fastest with a row's words in one
+# block (V = 100k: 0.84 of the products' limit in one block, 0.62 in two, 0.46 in seven;
+# the logits then computed twice), evaluation barely cares (V = 793,471: 0.65-0.67 for
+# 16k to 64k columns). So every vocabulary up to 131,072 words trains in one column
+# block, and a larger one evaluates in blocks of at most 1024 x 131,072 floats (512 MB).
+DEFAULT_SOFTMAX_BLOCKS = (1024, 131072)
 # --num-sampled when --softmax sampled does not give it (Jozefowicz et al. 2016: 8192).
 DEFAULT_NUM_SAMPLED = 8192
 ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
@@ -71,6 +81,16 @@ def check_split_fractions(fractions: tuple[float, ...]) -> None:
         raise ConfigError(
             f"split-fractions {shown!r} sum to {sum(fractions):.6g}, not 1; give three "
             f"fractions that sum to 1, e.g. {','.join(map(str, SPLIT_FRACTIONS))}")
+
+
+def softmax_block_sizes(text: str) -> tuple[int, int]:
+    """``"ROWSxCOLUMNS"`` → ``(rows, columns)``, two positive integers; ConfigError
+    naming ``text`` otherwise."""
+    rows, sep, columns = str(text).lower().partition("x")
+    if sep and rows.isdigit() and columns.isdigit() and int(rows) > 0 and int(columns) > 0:
+        return int(rows), int(columns)
+    raise ConfigError(f"softmax-blocks {text!r} must be ROWSxCOLUMNS, two positive integers "
+                      "(tokens x vocabulary entries of logits at a time), e.g. 1024x16384")
 
 
 def _positive(name: str, value: float) -> None:
@@ -211,9 +231,19 @@ class ModelConfig:
     # Candidates per step with softmax "sampled" (None there: DEFAULT_NUM_SAMPLED);
     # 1 <= num_sampled < the vocabulary size. Must be None with softmax "full".
     num_sampled: int | None = None
+    # How the full softmax's loss is computed (training, evaluation, score): True block by
+    # block from the hidden states, each block's logits in cache and never all [N, V] of
+    # them (tfpar.objective.fused); False: the logits, then the cross-entropy (the
+    # unfused path, kept for comparison). The same weights and loss either way.
+    fused_softmax: bool = True
+    # The fused loss's largest block of logits, "ROWSxCOLUMNS" (tokens x vocabulary
+    # entries, e.g. "512x16384"); None: DEFAULT_SOFTMAX_BLOCKS.
+    softmax_blocks: str | None = None
 
     def __post_init__(self) -> None:
         _choice("cell", self.cell, CELLS)
+        if self.softmax_blocks is not None:
+            softmax_block_sizes(self.softmax_blocks)
         _choice("precision", self.precision, PRECISIONS)
         _choice("softmax", self.softmax, SOFTMAXES)
         if self.softmax == "full":
@@ -241,6 +271,12 @@ class ModelConfig:
             raise ConfigError(
                 f"num-sampled {self.num_sampled} must be smaller than the vocabulary size "
                 f"{vocab_size}; use --num-sampled {vocab_size - 1} or less, or --softmax full")
+
+    def softmax_block_sizes(self) -> tuple[int, int]:
+        """The fused softmax's ``(rows, columns)``: ``softmax_blocks`` or the default."""
+        if self.softmax_blocks is None:
+            return DEFAULT_SOFTMAX_BLOCKS
+        return softmax_block_sizes(self.softmax_blocks)
 
     def dropout_at(self, site: str) -> float:
         """The rate at ``site``: "input", "hidden" or "output"."""

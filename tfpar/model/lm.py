@@ -13,6 +13,7 @@ carry it across windows and generation can feed one token at a time.
 from __future__ import annotations
 
 import random
+from typing import Any, NamedTuple
 
 import keras
 import tensorflow as tf
@@ -27,6 +28,16 @@ EMBEDDING, SOFTMAX = "embedding", "softmax"
 
 def rnn_name(i: int) -> str:
     return f"rnn_{i}"
+
+
+class OutputLayer(NamedTuple):
+    """The softmax's matrix and bias: ``logits = h @ kernel + bias`` (``h @ kernel^T``
+    when ``vocab_major``), products in ``matmul_dtype`` (None: float32)."""
+
+    kernel: Any  # [D, V] variable (a Dense kernel), or [V, D] when vocab_major
+    bias: Any  # [V] variable
+    vocab_major: bool
+    matmul_dtype: str | None
 
 
 class RNNLanguageModel(keras.Model):
@@ -155,6 +166,22 @@ class RNNLanguageModel(keras.Model):
         """
         x, finals = self.features(inputs, initial_state, training=training, rows=rows)
         return self.softmax(x), finals
+
+    def output_layer(self) -> OutputLayer:
+        """The softmax layer's weights, as the fused loss (``tfpar.objective.fused``)
+        reads them with :meth:`softmax_input`'s output."""
+        dtype = getattr(self.softmax, "matmul_dtype", None)
+        if hasattr(self.softmax, "output_weights"):  # tied, or one row per word
+            kernel, bias = self.softmax.output_weights()
+            return OutputLayer(kernel, bias, vocab_major=True, matmul_dtype=dtype)
+        return OutputLayer(self.softmax.kernel, self.softmax.bias, vocab_major=False,
+                           matmul_dtype=dtype)
+
+    def softmax_input(self, x):
+        """[.., H] features → [.., D] what the softmax's matrix multiplies (the tied
+        projection applied when there is one)."""
+        project = getattr(self.softmax, "project", None)
+        return x if project is None else project(x)
 
     def features(self, inputs, initial_state=None, training=False, rows=None):
         """The model up to the softmax: ``(x [B, T, H], final_state)``, arguments as

@@ -43,7 +43,7 @@ import tensorflow as tf
 
 from tfpar.data.pipeline import at_least_one_row
 from tfpar.model import precision, xla
-from tfpar.objective import losses, sampling
+from tfpar.objective import fused, losses, sampling
 
 # The noise site (tfpar.model.noise) that keys the sampled softmax's candidates: one
 # draw per (seed, step), the same on every replica and micro-batch.
@@ -92,7 +92,8 @@ def as_step_output(step_fn):
     return step
 
 
-def forward(model, batch: dict, state=None, training: bool = False):
+def forward(model, batch: dict, state=None, training: bool = False, *,
+            for_gradient: bool = False):
     """Runs the model on one batch.
 
     Args:
@@ -100,16 +101,59 @@ def forward(model, batch: dict, state=None, training: bool = False):
         (the rows' indices in the global batch, which key the dropout masks) when the
         rows are a replica's share (``tfpar.data.pipeline.shard_rows``).
       state: initial recurrent state (one list of [b, H] tensors per layer) or None.
+      for_gradient: the loss will be differentiated (the fused softmax then computes its
+        gradient with the loss: :func:`full_loss`).
 
     Returns:
       ``(nll_sum, count, final_state)``, float32 scalars and the state structure.
     """
     if not model.fixed_shapes:  # sentence mode: an ended pipeline's replica gets 0 rows
         batch = at_least_one_row(batch)
-    logits, final = model(batch["inputs"], initial_state=state, training=training,
-                          rows=batch.get("rows"))
-    nll_sum, count = losses.nll_sum_and_count(logits, batch["targets"])
+    if not model.config.fused_softmax:
+        logits, final = model(batch["inputs"], initial_state=state, training=training,
+                              rows=batch.get("rows"))
+        nll_sum, count = losses.nll_sum_and_count(logits, batch["targets"])
+        return nll_sum, count, final
+    x, final = model.features(batch["inputs"], initial_state=state, training=training,
+                              rows=batch.get("rows"))
+    nll_sum, count = full_loss(model, x, batch["targets"], for_gradient=for_gradient)
     return nll_sum, count, final
+
+
+def full_loss(model, x: tf.Tensor, targets: tf.Tensor, *, for_gradient: bool
+              ) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(nll_sum, count)`` of the full softmax on the model's features ``x`` [b, T, H]
+    and ``targets`` [b, T]: fused (``tfpar.objective.fused``; with ``for_gradient`` its
+    gradient is computed in the same pass, for training) or, with
+    ``--no-fused-softmax``, from the logits."""
+    if not model.config.fused_softmax:
+        # Tokens flattened to [b*T, V] and [b*T]: on 3-D logits of unknown size TF adds a
+        # run-time shape Assert, and a tf.function chains all its Asserts in program
+        # order (automatic control dependencies), which would make the pipeline's
+        # micro-batch j+1 wait for micro-batch j's logits.
+        logits = model.softmax(x)
+        return losses.nll_sum_and_count(tf.reshape(logits, [-1, tf.shape(logits)[-1]]),
+                                        tf.reshape(targets, [-1]))
+    layer = model.output_layer()
+    rows, columns = model.config.softmax_block_sizes()
+    return fused.fused_softmax_nll(
+        model.softmax_input(x), layer.kernel, layer.bias, targets, losses.token_mask(targets),
+        vocab_major=layer.vocab_major, matmul_dtype=layer.matmul_dtype, rows=rows,
+        columns=columns, gradient_in_forward=for_gradient)
+
+
+def token_nll(model, x: tf.Tensor, targets: tf.Tensor) -> tf.Tensor:
+    """Each token's negative log-likelihood under the full softmax, [b, T] float32, from
+    the model's features ``x`` [b, T, H] (padding included: mask it)."""
+    if not model.config.fused_softmax:
+        return tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.cast(targets, tf.int32), logits=tf.cast(model.softmax(x), tf.float32))
+    layer = model.output_layer()
+    rows, columns = model.config.softmax_block_sizes()
+    nll = fused.token_nll(model.softmax_input(x), layer.kernel, layer.bias, targets,
+                          vocab_major=layer.vocab_major, matmul_dtype=layer.matmul_dtype,
+                          rows=rows, columns=columns)
+    return tf.reshape(nll, tf.shape(targets))
 
 
 def sampled_loss(model, x: tf.Tensor, targets: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
@@ -133,7 +177,7 @@ def training_loss(model, batch: dict, state=None, training: bool = True):
     ``--softmax sampled`` :func:`sampled_loss` (arguments and result as :func:`forward`;
     ``training`` only switches dropout)."""
     if model.config.softmax != "sampled":
-        return forward(model, batch, state, training)
+        return forward(model, batch, state, training, for_gradient=True)
     x, final = model.features(batch["inputs"], initial_state=state, training=training,
                               rows=batch.get("rows"))
     nll_sum, count = sampled_loss(model, x, batch["targets"])

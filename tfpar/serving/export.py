@@ -53,6 +53,7 @@ from tfpar import files
 from tfpar.serving import sample
 from tfpar.config import Config
 from tfpar.errors import CheckpointError
+from tfpar.objective import step
 from tfpar.objective.losses import token_mask
 from tfpar.model.lm import build_model
 from tfpar.data.vocab import EOS_ID, PAD_ID, UNK_ID, Vocab
@@ -109,9 +110,8 @@ class LanguageModelModule(tf.Module):
         full = tf.concat([eos, ids, eos], axis=1)
         inputs = full[:, :-1].to_tensor(default_value=PAD_ID)
         targets = full[:, 1:].to_tensor(default_value=PAD_ID)
-        logits, _ = self.model(inputs)
-        nll = tf.nn.sparse_softmax_cross_entropy_with_logits(
-            labels=targets, logits=tf.cast(logits, tf.float32))
+        x, _ = self.model.features(inputs)
+        nll = step.token_nll(self.model, x, targets)  # [B, T]: no [B, T, V] when fused
         mask = token_mask(targets)
         nll = tf.reduce_sum(nll * mask, axis=1)
         tokens = tf.reduce_sum(mask, axis=1)

@@ -170,6 +170,15 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="--softmax sampled: candidates per step, 1 <= K < vocabulary size "
                         f"(default: {cfg.DEFAULT_NUM_SAMPLED}; an error without "
                         "--softmax sampled)")
+    g.add_argument("--fused-softmax", action=argparse.BooleanOptionalAction, default=True,
+                   help="compute the full softmax's loss block by block from the hidden "
+                        "states, without the [tokens, V] logits (faster; evaluation at any "
+                        "vocabulary size); --no-fused-softmax: the logits, then the "
+                        "cross-entropy (default: on)")
+    g.add_argument("--softmax-blocks", default=None, metavar="ROWSxCOLUMNS",
+                   help="the fused softmax's largest block of logits, tokens x vocabulary "
+                        "entries (default: %dx%d, measured: tfpar/docs/benchmarks.md)"
+                        % cfg.DEFAULT_SOFTMAX_BLOCKS)
 
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
@@ -352,6 +361,7 @@ def config_from_args(a: argparse.Namespace) -> cfg.Config:
             locked_dropout=a.locked_dropout, embed_dropout=a.embed_dropout,
             weight_drop=a.weight_drop, tie_embeddings=a.tie_embeddings, init_scale=a.init_scale,
             precision=a.precision, softmax=a.softmax, num_sampled=a.num_sampled,
+            fused_softmax=a.fused_softmax, softmax_blocks=a.softmax_blocks,
         ),
         train=cfg.TrainConfig(
             optimizer=a.optimizer, lr=a.lr, lr_decay=a.lr_decay, decay_after=a.decay_after,

@@ -345,14 +345,8 @@ class PipelinePlugin(StrategyPlugin):
                     out.update(nll=nll, count=count,
                                loss=step.differentiated(model, nll, global_count))
                 elif part == SOFTMAX:
-                    # Tokens flattened to [b*T, V] and [b*T]: on 3-D logits of unknown
-                    # size TF adds a run-time shape Assert, and a tf.function chains all
-                    # its Asserts in program order (automatic control dependencies), which
-                    # would make micro-batch j+1's loss wait for micro-batch j's logits.
-                    logits = model.softmax(x)
-                    nll, count = losses.nll_sum_and_count(
-                        tf.reshape(logits, [-1, tf.shape(logits)[-1]]),
-                        tf.reshape(mb.targets, [-1]))
+                    nll, count = step.full_loss(model, x, mb.targets,
+                                                for_gradient=global_count is not None)
                     out.update(nll=nll, count=count)
                     if global_count is not None:
                         out["loss"] = step.differentiated(model, nll, global_count)

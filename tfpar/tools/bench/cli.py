@@ -49,6 +49,13 @@ def parser(prog: str = "tfpar-benchmark") -> argparse.ArgumentParser:
                         "generated Zipf corpora, interleaved rounds; target: ratio >= 1/3), "
                         "and the sampled model's valid perplexity under the full softmax "
                         "(--tiny: toy vocabularies)")
+    p.add_argument("--eval-memory", nargs="?", const="10000,100000,793471", default="",
+                   metavar="VOCABS",
+                   help="instead of the throughput benchmark: peak memory and perplexity "
+                        "of evaluation with the fused softmax and with --no-fused-softmax, "
+                        "each in its own process, at these comma-separated vocabulary sizes "
+                        "(default when given alone: %(const)s)")
+    p.add_argument("--eval-memory-child", default="", help=argparse.SUPPRESS)  # internal
     p.add_argument("--serve", default="", help=argparse.SUPPRESS)  # child process (internal)
     p.add_argument("--worker-task", default="", help=argparse.SUPPRESS)  # loopback worker
     return p
@@ -121,6 +128,18 @@ def sampled_softmax_main(args: argparse.Namespace) -> int:
     return 1 if args.check and missed else 0
 
 
+def eval_memory_main(args: argparse.Namespace) -> int:
+    """``--eval-memory``: prints the table (and writes ``--json``)."""
+    from tfpar.tools.bench import eval_memory
+    from tfpar.tools.bench.report import write_json
+
+    results = eval_memory.run(counts_flag("--eval-memory", args.eval_memory, least=2))
+    print(eval_memory.format_report(results))
+    if args.json:
+        write_json(args.json, results)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """``tfpar-benchmark``: exit 0; 1 when a contender failed (``error: contender
     <name> failed: ...`` on stderr, one line each) or, under ``--check``, a target is
@@ -137,12 +156,18 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         from tfpar.tools.bench.remote import serve
 
         return serve(args.serve)
+    if args.eval_memory_child:
+        from tfpar.tools.bench.eval_memory import serve_child
+
+        return serve_child(args.eval_memory_child)
 
     def body():
         if args.corpus_scaling:
             return corpus_scaling_main(args)
         if args.sampled_softmax:
             return sampled_softmax_main(args)
+        if args.eval_memory:
+            return eval_memory_main(args)
         spec = spec_from_args(args)
         from tfpar.parallel import devices
         from tfpar.tools.bench.contenders import ContenderFailed

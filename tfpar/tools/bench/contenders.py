@@ -179,17 +179,19 @@ PROBE_MODEL = {"layers": 1, "embed_dim": 16, "hidden_dim": 16}
 
 
 def build_tfpar(setup: Setup, name: str, dist, *, precision: str | None = None,
-                steps_per_execution: int = 1, probe: bool = False) -> tuple[Contender, Any]:
+                steps_per_execution: int = 1, probe: bool = False, fused: bool = True
+                ) -> tuple[Contender, Any]:
     """A tfpar contender under the plug-in ``dist`` names (clip 5, tfpar's default), and
     the plug-in; ``precision`` overrides the spec's, ``steps_per_execution > 1`` makes a
-    :class:`MultiStepContender`, ``probe`` trains :data:`PROBE_MODEL` instead."""
+    :class:`MultiStepContender`, ``probe`` trains :data:`PROBE_MODEL` instead, ``fused``
+    False computes the full softmax from its logits (``--no-fused-softmax``)."""
     from tfpar.parallel.registry import build_strategy
     from tfpar.training.state import build_train_state
 
     spec = setup.spec
     plugin = build_strategy(dist)
     model_spec = dataclasses.replace(spec, **PROBE_MODEL) if probe else spec
-    state = build_train_state(plugin.scope(), model_config(model_spec, precision),
+    state = build_train_state(plugin.scope(), model_config(model_spec, precision, fused=fused),
                               len(setup.vocab),
                               seed=spec.seed,
                               make_optimizer=lambda epoch, lr_scale: _optimizer(spec.optimizer))
@@ -240,15 +242,16 @@ def distribution_configs() -> dict[str, Any]:
     return {k: (v if v.strategy in STRATEGIES else NOT_AVAILABLE) for k, v in wanted.items()}
 
 
-# The same step with one thing changed, on no strategy: the other precision, and ten
-# steps per call. name -> keyword arguments of build_tfpar.
+# The same step with one thing changed, on no strategy: the other precision, ten steps
+# per call, the full softmax from its logits. name -> keyword arguments of build_tfpar.
 SPE = 10
 
 
 def variant_configs(spec: BenchSpec) -> dict[str, dict[str, Any]]:
     other = "bf16" if spec.precision == "fp32" else "fp32"
     return {f"default_{other}": {"precision": other},
-            f"default_spe{SPE}": {"steps_per_execution": SPE}}
+            f"default_spe{SPE}": {"steps_per_execution": SPE},
+            "default_unfused": {"fused": False}}
 
 
 def build_available(setup: Setup, names: Sequence[str], warmup: int

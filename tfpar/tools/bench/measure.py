@@ -252,6 +252,33 @@ def step_breakdown(spec: BenchSpec, setup: Setup, results: dict[str, Any], other
     return breakdown.measure(spec, len(setup.vocab), rates, step_ms)
 
 
+def breakdown_sentence(spec: BenchSpec, setup: Setup, results: dict[str, Any]
+                       ) -> dict[str, Any]:
+    """The parts again as sentence mode traces them (unknown batch and time dimensions:
+    TensorFlow's kernels, no XLA), without a step to split."""
+    from tfpar.tools.bench import breakdown
+
+    rates = {dt: {k: v * 1e9 for k, v in table.items()}
+             for dt, table in results["roofline"]["matmul_gflops"].items()}
+    return breakdown.measure(spec, len(setup.vocab), rates, {}, mode="sentence")
+
+
+def output_layer_figures(results: dict[str, Any]) -> dict[str, Any]:
+    """The output layer's part of the step, fused and unfused, as a fraction of its
+    matmul limit, per mode and precision; and the default step with the fused output
+    layer against the same step unfused (side-by-side tokens/s)."""
+    out: dict[str, Any] = {}
+    for mode, key in (("stream", "breakdown"), ("sentence", "breakdown_sentence")):
+        for precision, row in (results.get(key) or {}).items():
+            for part in ("softmax", "softmax_unfused"):
+                name = f"{part.replace('softmax', 'output_layer')}_{precision}_{mode}"
+                out[f"{name}_fraction_of_limit"] = row[part]["fraction"]
+    rate = results["side_by_side_tokens_per_sec"]
+    if "default_unfused" in rate:
+        out["fused_vs_unfused"] = rate["default"] / rate["default_unfused"]
+    return out
+
+
 def scaling_figures(spec: BenchSpec, results: dict[str, Any], loopback: Sequence[int] = ()
                     ) -> dict[str, Any]:
     """The scaling model's tables for 1/2/4/8 GPUs and workers, and its check against
@@ -442,6 +469,8 @@ def _measure(spec, setup, results, keras_contender, tfpar, distribution, server,
     results["roofline"] = roofline_figures(spec, len(setup.vocab), rate, precision_of)
     results["default_fraction_of_limit"] = results["roofline"]["fraction_of_limit"]["default"]
     results["breakdown"] = step_breakdown(spec, setup, results, other)
+    results["breakdown_sentence"] = breakdown_sentence(spec, setup, results)
+    results.update(output_layer_figures(results))
     results["mirrored2_vs_default"] = results["distribution_vs_default"].get("mirrored2")
     results["targets"] = target_verdicts(results)
     return results

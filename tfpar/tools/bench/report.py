@@ -72,9 +72,21 @@ def format_report(results: dict[str, Any]) -> str:
         lines.append("matmul GFLOP/s (fp32 / bf16): " + ", ".join(
             f"{k} {v:.0f}" + (f"/{gf['bfloat16'][k]:.0f}" if k in gf.get("bfloat16", {}) else "")
             for k, v in gf["float32"].items()))
-    for precision, row in (results.get("breakdown") or {}).items():
-        lines.append(f"step breakdown, {precision} (ms measured / at the matmul limit): " + ", ".join(
-            f"{part} {v['ms']:.1f}/{v['limit_ms']:.1f}" for part, v in row.items()))
+    for mode, key in (("stream", "breakdown"), ("sentence", "breakdown_sentence")):
+        for precision, row in (results.get(key) or {}).items():
+            lines.append(f"step breakdown, {precision}, {mode} mode (ms measured / at the "
+                         "matmul limit): " + ", ".join(
+                             f"{part} {v['ms']:.1f}/{v['limit_ms']:.1f}"
+                             + (f" ({v['fraction']:.2f})" if "fraction" in v else "")
+                             for part, v in row.items()))
+    fractions = {k.removesuffix("_fraction_of_limit"): v for k, v in results.items()
+                 if k.startswith("output_layer") and k.endswith("_fraction_of_limit")}
+    if fractions:
+        lines.append("output layer, fraction of its matmul limit: " + ", ".join(
+            f"{name.removeprefix('output_layer_')} {v:.3f}" for name, v in fractions.items()))
+    if "fused_vs_unfused" in results:
+        lines.append(f"default step with the fused output layer vs unfused (side by side): "
+                     f"{results['fused_vs_unfused']:.3f}")
     if "bf16_vs_fp32" in results:
         lines.append(f"bf16 vs fp32 (default strategy, paired segments): "
                      f"{results['bf16_vs_fp32']:.3f} (per round: "

@@ -65,13 +65,14 @@ def load_setup(spec: BenchSpec, *, vocab_file: str | None = None) -> Setup:
     return Setup(spec, corpus.name, note, corpus.splits, vocab, stream, sentence)
 
 
-def model_config(spec: BenchSpec, precision: str | None = None):
-    """The benchmark's model (``precision`` overrides the spec's)."""
+def model_config(spec: BenchSpec, precision: str | None = None, *, fused: bool = True):
+    """The benchmark's model (``precision`` overrides the spec's; ``fused``: the fused
+    full softmax, tfpar's default)."""
     from tfpar.config import ModelConfig
 
     return ModelConfig(layers=spec.layers, embed_dim=spec.embed_dim, hidden_dim=spec.hidden_dim,
                        precision=precision or spec.precision, softmax=spec.softmax,
-                       num_sampled=spec.num_sampled)
+                       num_sampled=spec.num_sampled, fused_softmax=fused)
 
 
 def fixed_windows(stream: np.ndarray, bptt: int) -> tuple[np.ndarray, np.ndarray]:
