@@ -170,11 +170,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="--softmax sampled: candidates per step, 1 <= K < vocabulary size "
                         f"(default: {cfg.DEFAULT_NUM_SAMPLED}; an error without "
                         "--softmax sampled)")
-    g.add_argument("--fused-softmax", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--fused-softmax", action=argparse.BooleanOptionalAction, default=False,
                    help="compute the full softmax's loss block by block from the hidden "
-                        "states, without the [tokens, V] logits (faster; evaluation at any "
+                        "states, without the [tokens, V] logits (evaluation at any "
                         "vocabulary size); --no-fused-softmax: the logits, then the "
-                        "cross-entropy (default: on)")
+                        "cross-entropy (default: off)")
     g.add_argument("--softmax-blocks", default=None, metavar="ROWSxCOLUMNS",
                    help="the fused softmax's largest block of logits, tokens x vocabulary "
                         "entries (default: %dx%d, measured: tfpar/docs/benchmarks.md)"

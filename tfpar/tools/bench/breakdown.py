@@ -66,7 +66,7 @@ def part_functions(spec: BenchSpec, vocab_size: int, precision: str, *, mode: st
     from tfpar.model.lm import build_model
     from tfpar.objective import step
 
-    config = model_config(spec, precision)
+    config = model_config(spec, precision, fused=True)
     model = build_model(config, vocab_size, seed=spec.seed)
     unfused = build_model(dataclasses.replace(config, fused_softmax=False), vocab_size,
                           seed=spec.seed)

@@ -85,7 +85,8 @@ def format_report(results: dict[str, Any]) -> str:
         lines.append("output layer, fraction of its matmul limit: " + ", ".join(
             f"{name.removeprefix('output_layer_')} {v:.3f}" for name, v in fractions.items()))
     if "fused_vs_unfused" in results:
-        lines.append(f"default step with the fused output layer vs unfused (side by side): "
+        lines.append(f"default step with the fused output layer (--fused-softmax) vs without "
+                     f"(side by side): "
                      f"{results['fused_vs_unfused']:.3f}")
     if "bf16_vs_fp32" in results:
         lines.append(f"bf16 vs fp32 (default strategy, paired segments): "
