@@ -34,6 +34,8 @@ def test_the_stop_message_names_the_model_dir_when_none_was_given(given, again):
         stop_signal=types.SimpleNamespace(received="SIGTERM"), step=7, together=None,
         checkpointer=types.SimpleNamespace(directory="runs/x/checkpoints", save=saved.append),
         config=types.SimpleNamespace(run=types.SimpleNamespace(model_dir=given)))
+    loop.run_again = lambda: Loop.run_again(loop)
+    loop.stopped_by_signal = lambda: Loop.stopped_by_signal(loop)
     with pytest.raises(Interrupted) as stop:
         Loop.check_stop_signal(loop)
     assert saved == [7]
