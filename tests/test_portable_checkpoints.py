@@ -107,7 +107,10 @@ def worst_difference(got, want) -> float:
     for key in want:
         if got[key].dtype.kind == "f":
             # NaN (a tensor gone non-finite on one side) counts as infinitely far.
-            delta = np.nan_to_num(np.abs(got[key] - want[key]), nan=np.inf)
+            # (equal values, infinities included, differ by 0)
+            with np.errstate(invalid="ignore"):
+                delta = np.where(got[key] == want[key], 0.0,
+                                 np.nan_to_num(np.abs(got[key] - want[key]), nan=np.inf))
             worst = max(worst, float(delta.max()))
         else:
             assert (got[key] == want[key]).all(), key
