@@ -85,11 +85,12 @@ def read_epochs(model_dir: str) -> list[dict]:
     return [epochs[e] for e in sorted(epochs)]
 
 
-def draw(runs: dict[str, list[dict]], out: str, metric: str = "both", title: str = "") -> None:
-    """Writes the chart of ``runs`` (label -> epoch lines) to ``out`` (PNG).
+def pyplot(missing: str):
+    """matplotlib's pyplot on its file-only (Agg) backend: the charts of tfpar-plot and
+    tfpar-benchmark --plot.
 
     Raises:
-      ConfigError: matplotlib is not installed.
+      ConfigError: ``missing``, when matplotlib (the ``bench`` extra) is not installed.
     """
     try:
         import matplotlib
@@ -97,9 +98,18 @@ def draw(runs: dict[str, list[dict]], out: str, metric: str = "both", title: str
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ConfigError("tfpar-plot needs matplotlib, which is not installed; install it "
-                          "with pip install 'tfpar[bench]' (a clone: pip install -e '.[bench]')"
-                          ) from None
+        raise ConfigError(missing) from None
+    return plt
+
+
+def draw(runs: dict[str, list[dict]], out: str, metric: str = "both", title: str = "") -> None:
+    """Writes the chart of ``runs`` (label -> epoch lines) to ``out`` (PNG).
+
+    Raises:
+      ConfigError: matplotlib is not installed.
+    """
+    plt = pyplot("tfpar-plot needs matplotlib, which is not installed; install it with pip "
+                 "install 'tfpar[bench]' (a clone: pip install -e '.[bench]')")
     curves = CURVES if metric == "both" else (metric,)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True,
                                       gridspec_kw={"height_ratios": [3, 1]})

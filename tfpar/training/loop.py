@@ -509,8 +509,9 @@ class AsyncLoop(Loop):
                 scheduled = min(scheduled, max_steps - self.step)
             futures = [self.train_step(iterators) for _ in range(scheduled)]
             coordinator.join()
+            outputs = [coordinator.fetch(f) for f in futures]
             seconds = time.perf_counter() - start
-            self.record([coordinator.fetch(f) for f in futures], seconds)
+            self.record(outputs, seconds)
             todo -= scheduled
             between_syncs = max(least, int(scheduled * SECONDS_BETWEEN_SYNCS / seconds))
 

@@ -6,7 +6,6 @@ import json
 import os
 from typing import Any
 
-from tfpar.errors import ConfigError
 
 
 def failed_contenders(results: dict[str, Any]) -> dict[str, str]:
@@ -147,15 +146,10 @@ def write_plot(path: str, results: dict[str, Any]) -> None:
     Raises:
       ConfigError: matplotlib is not installed (it is the optional ``bench`` extra).
     """
-    try:
-        import matplotlib
+    from tfpar.tools.plot import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError(
-            "--plot needs matplotlib, which is not installed; install the extra with "
-            "pip install -e '.[bench]' or leave out --plot") from None
+    plt = pyplot("--plot needs matplotlib, which is not installed; install the extra with "
+                 "pip install -e '.[bench]' or leave out --plot")
     keras_rate = results["side_by_side_tokens_per_sec"]["keras_baseline"]
     names = ["keras_baseline"] + list(results["distribution_tokens_per_sec"])
     values = [keras_rate] + [
