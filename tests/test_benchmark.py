@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import model_config
 from tfpar.tools.bench import contenders, measure, remote, report, spec as bench_spec
 from tfpar.tools.bench.contenders import ContenderFailed, Segment
 from tfpar.tools.bench.measure import pad_fraction, ratio, stall_fraction
@@ -409,11 +410,10 @@ def test_scaling_tables_strong_and_weak():
 
 
 def test_parameter_count_is_the_models(tmp_path):
-    from tfpar.config import ModelConfig
     from tfpar.model.lm import build_model
     from tfpar.tools.bench import roofline
 
-    model = build_model(ModelConfig(layers=2, embed_dim=12, hidden_dim=8), 50)
+    model = build_model(model_config(layers=2, embed_dim=12, hidden_dim=8), 50)
     assert roofline.parameter_count(layers=2, embed_dim=12, hidden_dim=8, vocab_size=50) == \
         sum(int(np.prod(v.shape)) for v in model.trainable_variables)
 

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfpar.config import ModelConfig
+from conftest import model_config
 from tfpar.model import layers
 from tfpar.model.lm import build_model
 from tfpar.objective.losses import nll_sum_and_count
 
 V = 30
-MODEL = ModelConfig(embed_dim=8, hidden_dim=6, layers=2)
+MODEL = model_config(embed_dim=8, hidden_dim=6, layers=2)
 # Right-padded sentences (0 = padding) and one row with no token at all (an empty
 # shard's padding row): cuDNN refuses length 0, so its first step goes in unmasked.
 INPUTS = np.array([[5, 6, 7, 8, 9], [3, 4, 0, 0, 0], [0, 0, 0, 0, 0], [11, 12, 13, 0, 0]],

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from tfpar.parallel import devices
+from conftest import small_config, train_config
+from tfpar.parallel import devices, registry
 from tfpar.config import DistConfig
 
 
@@ -15,21 +16,23 @@ from tfpar.config import DistConfig
     ("pipeline", 3, 8, 2),
     ("mirrored", 4, 2, 1),  # never below one thread
     ("mirrored", 1, 8, 0),  # one device: TF's default (every core)
+    ("parallel_do", 2, 2, 1),
     ("default", 2, 2, 0),
     ("one_device", 1, 2, 0),
+    ("multi_worker", 2, 2, 0),  # one CPU device per task: nothing to share
 ])
 def test_automatic_intra_op_threads_share_the_cores(strategy, cpu_devices, cores, want,
                                                     monkeypatch):
     monkeypatch.setattr(devices, "host_cores", lambda: cores)
     monkeypatch.setattr(devices, "num_gpus", lambda: 0)
-    assert devices.intra_op_threads(DistConfig(strategy=strategy), cpu_devices) == want
+    assert registry.intra_op_threads(DistConfig(strategy=strategy), cpu_devices) == want
 
 
 def test_explicit_threads_win_and_gpus_keep_the_default(monkeypatch):
     monkeypatch.setattr(devices, "host_cores", lambda: 8)
-    assert devices.intra_op_threads(DistConfig(strategy="mirrored", intra_op_threads=3), 2) == 3
+    assert registry.intra_op_threads(DistConfig(strategy="mirrored", intra_op_threads=3), 2) == 3
     monkeypatch.setattr(devices, "num_gpus", lambda: 2)
-    assert devices.intra_op_threads(DistConfig(strategy="mirrored"), 2) == 0
+    assert registry.intra_op_threads(DistConfig(strategy="mirrored"), 2) == 0
 
 
 SCRIPT = """
@@ -124,10 +127,9 @@ def test_the_cpu_suite_hides_any_gpu_from_itself_and_its_subprocesses():
 def test_a_few_rows_per_replica_are_warned_about(batch, replicas, warned, caplog):
     import logging
 
-    from tfpar.config import Config, TrainConfig
     from tfpar.training.run import check_batch_sizes
 
-    config = Config(train=TrainConfig(batch_size=batch), dist=DistConfig(strategy="mirrored"))
+    config = small_config(train=train_config(batch_size=batch), dist=DistConfig(strategy="mirrored"))
     with caplog.at_level(logging.WARNING, logger="tfpar.training.run"):
         check_batch_sizes(config, replicas)
     assert (f"--batch-size {batch} over {replicas} replicas is 3 rows each: too few to keep a "

@@ -13,13 +13,14 @@ import tensorflow as tf
 from tfpar.serving import export
 
 from tfpar.serving import sample
-from tfpar.config import Config, DistConfig
+from tfpar.config import DistConfig
 from tfpar.errors import CheckpointError
 from tfpar.data.pipeline import InputData
 from tfpar.model.lm import build_model
 from tfpar.parallel.registry import build_strategy
 from tfpar.training.loop import evaluate
 from tfpar.data.vocab import Vocab
+import conftest
 from conftest import PINNED
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,8 +37,8 @@ SIGNATURE_IO = {
 
 
 def small_config(tmp, **run):
-    return Config().replace(model={"embed_dim": 8, "hidden_dim": 8, "layers": 2},
-                            run={"export_dir": str(tmp), **run})
+    return conftest.small_config().replace(model={"embed_dim": 8, "hidden_dim": 8, "layers": 2},
+                                           run={"export_dir": str(tmp), **run})
 
 
 @pytest.fixture(scope="module")
@@ -293,7 +294,7 @@ def test_a_model_trained_under_mirrored_exports_the_same_way(tiny_args, tmp_path
     loaded = tf.saved_model.load(metrics["export_path"])
     assert set(loaded.signatures) == set(SIGNATURE_IO)
     vocab = Vocab.load(tmp_path / "run" / "vocab.txt")
-    config = Config().replace(model={"embed_dim": 16, "hidden_dim": 16})
+    config = conftest.small_config().replace(model={"embed_dim": 16, "hidden_dim": 16})
     model = build_model(config.model, len(vocab))
     tf.train.Checkpoint(model=model).restore(
         tf.train.latest_checkpoint(str(tmp_path / "run" / "checkpoints"))).expect_partial()

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import PINNED, REPO
+from conftest import PINNED, REPO, model_config, small_config, train_config
 from tfpar import config as cfg
 from tfpar.errors import CheckpointError, ClusterError, ConfigError, DeviceError
 from tfpar.tools.cli import train_main
@@ -471,34 +471,34 @@ def test_every_flag_of_every_script_is_in_a_test():
     (lambda: cfg.DataConfig(synthetic_train=0), "synthetic-train must be > 0, got 0"),
     (lambda: cfg.DataConfig(synthetic_valid=0), "synthetic-valid must be > 0, got 0"),
     (lambda: cfg.DataConfig(synthetic_test=-5), "synthetic-test must be > 0, got -5"),
-    (lambda: cfg.ModelConfig(precision="fp16"),
+    (lambda: model_config(precision="fp16"),
      "unknown precision 'fp16'; expected one of: fp32, bf16, mixed_bfloat16, mixed_float16"),
-    (lambda: cfg.ModelConfig(layers=0), "layers must be > 0, got 0"),
-    (lambda: cfg.ModelConfig(embed_dim=0), "embed-dim must be > 0, got 0"),
-    (lambda: cfg.ModelConfig(dropout=1.0), "dropout must be in [0, 1), got 1.0"),
-    (lambda: cfg.ModelConfig(dropout_input=-0.1), "dropout-input must be in [0, 1), got -0.1"),
-    (lambda: cfg.ModelConfig(dropout_hidden=1.5), "dropout-hidden must be in [0, 1), got 1.5"),
-    (lambda: cfg.ModelConfig(dropout_output=1.0), "dropout-output must be in [0, 1), got 1.0"),
-    (lambda: cfg.ModelConfig(embed_dropout=1.0), "embed-dropout must be in [0, 1), got 1.0"),
-    (lambda: cfg.ModelConfig(weight_drop=-0.5), "weight-drop must be in [0, 1), got -0.5"),
-    (lambda: cfg.ModelConfig(init_scale=-0.1), "init-scale must be >= 0, got -0.1"),
-    (lambda: cfg.ModelConfig(softmax_blocks="1024"),
+    (lambda: model_config(layers=0), "layers must be > 0, got 0"),
+    (lambda: model_config(embed_dim=0), "embed-dim must be > 0, got 0"),
+    (lambda: model_config(dropout=1.0), "dropout must be in [0, 1), got 1.0"),
+    (lambda: model_config(dropout_input=-0.1), "dropout-input must be in [0, 1), got -0.1"),
+    (lambda: model_config(dropout_hidden=1.5), "dropout-hidden must be in [0, 1), got 1.5"),
+    (lambda: model_config(dropout_output=1.0), "dropout-output must be in [0, 1), got 1.0"),
+    (lambda: model_config(embed_dropout=1.0), "embed-dropout must be in [0, 1), got 1.0"),
+    (lambda: model_config(weight_drop=-0.5), "weight-drop must be in [0, 1), got -0.5"),
+    (lambda: model_config(init_scale=-0.1), "init-scale must be >= 0, got -0.1"),
+    (lambda: model_config(softmax_blocks="1024"),
      "softmax-blocks '1024' must be ROWSxCOLUMNS, two positive integers (tokens x vocabulary "
      "entries of logits at a time), e.g. 1024x16384"),
-    (lambda: cfg.ModelConfig(softmax_blocks="0x512"),
+    (lambda: model_config(softmax_blocks="0x512"),
      "softmax-blocks '0x512' must be ROWSxCOLUMNS, two positive integers (tokens x "
      "vocabulary entries of logits at a time), e.g. 1024x16384"),
-    (lambda: cfg.TrainConfig(scale_lr="sqrt"), "unknown scale-lr 'sqrt'; expected one of: "
+    (lambda: train_config(scale_lr="sqrt"), "unknown scale-lr 'sqrt'; expected one of: "
                                                "none, linear"),
-    (lambda: cfg.TrainConfig(on_nan="ignore"), "unknown on-nan 'ignore'; expected one of: "
+    (lambda: train_config(on_nan="ignore"), "unknown on-nan 'ignore'; expected one of: "
                                                "stop, skip"),
-    (lambda: cfg.TrainConfig(nan_patience=-1), "nan-patience must be >= 0, got -1"),
-    (lambda: cfg.TrainConfig(lr_decay=0.0), "lr-decay must be > 0, got 0.0"),
-    (lambda: cfg.TrainConfig(decay_after=-1), "decay-after must be >= 0, got -1"),
-    (lambda: cfg.TrainConfig(warmup_steps=-1), "warmup-steps must be >= 0, got -1"),
-    (lambda: cfg.TrainConfig(clip_norm=-1.0), "clip-norm must be >= 0, got -1.0"),
-    (lambda: cfg.TrainConfig(max_steps=-1), "max-steps must be >= 0, got -1"),
-    (lambda: cfg.TrainConfig(eval_batch_size=-1), "eval-batch-size must be >= 0, got -1"),
+    (lambda: train_config(nan_patience=-1), "nan-patience must be >= 0, got -1"),
+    (lambda: train_config(lr_decay=0.0), "lr-decay must be > 0, got 0.0"),
+    (lambda: train_config(decay_after=-1), "decay-after must be >= 0, got -1"),
+    (lambda: train_config(warmup_steps=-1), "warmup-steps must be >= 0, got -1"),
+    (lambda: train_config(clip_norm=-1.0), "clip-norm must be >= 0, got -1.0"),
+    (lambda: train_config(max_steps=-1), "max-steps must be >= 0, got -1"),
+    (lambda: train_config(eval_batch_size=-1), "eval-batch-size must be >= 0, got -1"),
     (lambda: cfg.DistConfig(tower_reduce="tree"),
      "unknown tower-reduce 'tree'; expected one of: controller, ring"),
     (lambda: cfg.DistConfig(communication="mpi"),
@@ -524,7 +524,7 @@ def test_model_dir_that_cannot_be_created(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     model_dir = blocker / "run"
-    config = cfg.Config(run=cfg.RunConfig(model_dir=str(model_dir)))
+    config = small_config(run=cfg.RunConfig(model_dir=str(model_dir)))
     with pytest.raises(ConfigError, match=exactly(
             f"cannot create --model-dir '{model_dir}': {blocker} is not a directory")):
         with checkpoints.open_model_dir(config, True):
@@ -579,7 +579,7 @@ def test_batch_size_change_in_the_middle_of_an_epoch(position, tmp_path):
     position counts batches of the old size); at an epoch end (position 0) it can."""
     from tfpar.training import checkpoints
 
-    stored = cfg.Config(train=cfg.TrainConfig(batch_size=16))
+    stored = small_config(train=train_config(batch_size=16))
     (tmp_path / checkpoints.CONFIG_FILE).write_text(stored.to_json())
     state = tf.train.Checkpoint(epoch=tf.Variable(0, dtype=tf.int64),
                                 batch_in_epoch=tf.Variable(position, dtype=tf.int64))
@@ -759,3 +759,13 @@ def test_soft_placement_is_tensorflows_default_unless_a_flag_says(flag, want,
     tf.config.set_soft_device_placement(True)
     devices.set_placement_options(log_placement=False, soft_placement=dist.soft_placement)
     assert tf.config.get_soft_device_placement() is (True if want is None else want)
+
+
+def test_config_and_the_command_with_no_flags_are_the_same_run():
+    """One source of defaults: ``Config()`` (the Python API's start) and ``tfpar-train``
+    with no flags agree on every field of every section."""
+    from tfpar.tools.cli import config_from_args, train_parser
+
+    assert config_from_args(train_parser().parse_args([])) == cfg.Config()
+    model = cfg.Config().model  # what the user gets: the tuned 2x200 tied LSTM
+    assert (model.layers, model.hidden_dim, model.tie_embeddings) == (2, 200, True)

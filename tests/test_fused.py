@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import shared_data_dir
-from tfpar.config import ModelConfig
+from conftest import model_config, shared_data_dir
+from tfpar.model import xla
 from tfpar.model.lm import _matmul, build_model
 from tfpar.objective import fused, step
 
@@ -232,7 +232,7 @@ MODEL_TOL = {"fp32": 1e-5, "bf16": 2 ** -6}
 ], ids=["dense", "tied_projection", "bf16"])
 def test_the_models_gradients_equal_the_unfused_path_on_a_ptb_batch(model):
     batch, vocab_size = ptb_batch()
-    config = ModelConfig(layers=1, **model)
+    config = model_config(layers=1, **model)
     models = [build_model(dataclasses.replace(config, fused_softmax=f), vocab_size, seed=3)
               for f in (True, False)]
     count = tf.constant(float(np.sum(batch["targets"].numpy() != 0)))
@@ -244,3 +244,23 @@ def test_the_models_gradients_equal_the_unfused_path_on_a_ptb_batch(model):
         tol = MODEL_TOL["fp32" if v.path == "rnn_lm/softmax/bias" else config.precision]
         err, scale = np.max(np.abs(g.numpy() - r.numpy())), np.max(np.abs(r.numpy()))
         assert err <= tol * scale, f"{v.path}: {err:.3g} > {tol:g} x {scale:.3g}"
+
+
+@pytest.mark.parametrize("n", [8, 21], ids=["fits_one_block", "needs_row_blocks"])
+def test_a_row_count_the_trace_hides_takes_the_path_of_the_actual_count(n):
+    """A strategy's slice of the batch and a batch read inside a multi-step loop have no
+    static row count; the path must follow the count the step runs with: the same bits
+    as a trace that sees it (the one-block path when the rows fit, row blocks when they
+    do not), and equal to the unfused path."""
+    batch = random_batch(n=n)
+    h, kernel, bias, targets, weights = batch
+    hidden = [tf.TensorSpec([None, h.shape[1]]), tf.TensorSpec(kernel.shape),
+              tf.TensorSpec(bias.shape), tf.TensorSpec([None], tf.int32),
+              tf.TensorSpec([None])]
+    with xla.compile_any_shape():  # the step's parts run XLA-compiled either way
+        seen = tf.function(lambda *a: fused_loss(*a, rows=10))(*batch)
+        got = tf.function(lambda *a: fused_loss(*a, rows=10), input_signature=hidden)(*batch)
+    assert_close(got, unfused(*batch))
+    assert float(got[0]) == float(seen[0])
+    for g, s in zip(got[1], seen[1]):
+        np.testing.assert_array_equal(g.numpy(), s.numpy())

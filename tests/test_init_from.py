@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import PINNED, assert_resumed_from, write_tiny_corpus
+from conftest import PINNED, assert_resumed_from, model_config, small_config
 from tfpar.tools.cli import train_main
 
 VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
@@ -136,11 +136,11 @@ def test_init_weights_best_reads_dir_best_and_the_config_takes_dirs_model(tmp_pa
     checkpoints/ (step 9) and best/ (step 7)."""
     import tensorflow as tf
 
-    from tfpar.config import Config, DataConfig, ModelConfig, RunConfig
+    from tfpar.config import DataConfig, RunConfig
     from tfpar.training.run import init_source
 
     a = tmp_path / "a"
-    stored = Config(model=ModelConfig(cell="gru", layers=3, embed_dim=6, hidden_dim=6,
+    stored = small_config(model=model_config(cell="gru", layers=3, embed_dim=6, hidden_dim=6,
                                       tie_embeddings=True, dropout=0.1),
                     data=DataConfig(tokenizer="punct"))
     a.mkdir()
@@ -149,7 +149,7 @@ def test_init_weights_best_reads_dir_best_and_the_config_takes_dirs_model(tmp_pa
     checkpoint = tf.train.Checkpoint(v=tf.Variable(1.0))
     for folder, step in (("checkpoints", 9), ("best", 7)):
         tf.train.CheckpointManager(checkpoint, str(a / folder), 1).save(checkpoint_number=step)
-    asked = Config(model=ModelConfig(dropout=0.3), run=RunConfig(
+    asked = small_config(model=model_config(dropout=0.3), run=RunConfig(
         model_dir=str(tmp_path / "b"), init_from=str(a), init_weights="best"))
     config, path = init_source(asked)
     assert path == str(a / "best" / "ckpt-7")

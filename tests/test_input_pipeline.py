@@ -6,8 +6,7 @@ import tensorflow as tf
 
 from tfpar.config import DataConfig
 from tfpar.errors import DataError
-from tfpar.data.pipeline import (InputData, bucket_boundaries, count_tokens, per_replica,
-                                  shard_bounds)
+from tfpar.data.pipeline import (InputData, bucket_boundaries, count_tokens, shard_bounds)
 from tfpar.data.vocab import EOS_ID, PAD_ID, Vocab
 
 from conftest import length_histogram, sentence_lengths, shared_data_dir

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import model_config
 from tfpar.model.layers import FastGRU, FastLSTM
 
 PAIRS = [(FastLSTM, keras.layers.LSTM, 2), (FastGRU, keras.layers.GRU, 1)]
@@ -113,12 +114,11 @@ def test_config_round_trip_keeps_matmul_dtype():
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_bf16_model_has_the_same_weights_and_close_logits(tie):
-    from tfpar.config import ModelConfig
     from tfpar.model.lm import build_model
 
-    cfg = ModelConfig(embed_dim=16, hidden_dim=16, layers=2, tie_embeddings=tie)
+    cfg = model_config(embed_dim=16, hidden_dim=16, layers=2, tie_embeddings=tie)
     fp32 = build_model(cfg, 30)
-    bf16 = build_model(ModelConfig(**{**cfg.__dict__, "precision": "bf16"}), 30)
+    bf16 = build_model(model_config(**{**cfg.__dict__, "precision": "bf16"}), 30)
     assert [v.path for v in bf16.weights] == [v.path for v in fp32.weights]
     bf16.set_weights(fp32.get_weights())
     ids = tf.constant([[2, 3, 4, 0], [5, 6, 0, 0]])

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfpar.config import ModelConfig
+from conftest import model_config
 from tfpar.errors import ConfigError
 from tfpar.model.lm import build_model
 from tfpar.model.noise import Noise
@@ -32,7 +32,7 @@ def test_a_row_of_a_philox_table_does_not_depend_on_the_table_size():
                                    dict(dropout=0.0, embed_dropout=0.3),
                                    dict(dropout=0.0, weight_drop=0.4)])
 def test_a_shard_of_rows_gets_one_devices_masks_for_those_rows(extra):
-    config = ModelConfig(**{"embed_dim": 6, "hidden_dim": 6, "layers": 2, "dropout": 0.4,
+    config = model_config(**{"embed_dim": 6, "hidden_dim": 6, "layers": 2, "dropout": 0.4,
                             **extra})
     model = build_model(config, 12, seed=3)
     whole = logits_of(model, step=5)
@@ -58,7 +58,7 @@ def test_locked_masks_are_shared_by_the_time_steps_of_a_row():
 
 
 def test_word_type_dropout_drops_a_word_everywhere_it_occurs():
-    model = build_model(ModelConfig(embed_dim=8, hidden_dim=8, embed_dropout=0.5), 12, seed=0)
+    model = build_model(model_config(embed_dim=8, hidden_dim=8, embed_dropout=0.5), 12, seed=0)
     model.noise.step = lambda: tf.constant(2, tf.int64)
     ids = tf.constant([[2, 3, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
     x, _ = model.embed(ids, training=True)
@@ -71,7 +71,7 @@ def test_word_type_dropout_drops_a_word_everywhere_it_occurs():
 
 
 def test_weight_drop_zeroes_the_gradient_of_dropped_recurrent_weights():
-    model = build_model(ModelConfig(embed_dim=6, hidden_dim=6, weight_drop=0.5), 12, seed=0)
+    model = build_model(model_config(embed_dim=6, hidden_dim=6, weight_drop=0.5), 12, seed=0)
     model.noise.step = lambda: tf.constant(1, tf.int64)
     kernel = model.rnns[0].cell.recurrent_kernel
     with tf.GradientTape() as tape:
@@ -91,9 +91,9 @@ def test_weight_drop_zeroes_the_gradient_of_dropped_recurrent_weights():
 def test_a_rate_outside_zero_to_one_is_refused_by_name(field):
     with pytest.raises(ConfigError, match=f"{field.replace('_', '-')} must be in \\[0, 1\\), "
                                           "got 1.0"):
-        ModelConfig(**{field: 1.0})
+        model_config(**{field: 1.0})
 
 
 def test_each_site_takes_its_own_rate_over_dropout():
-    config = ModelConfig(layers=2, dropout=0.3, dropout_input=0.6, dropout_output=0.0)
+    config = model_config(layers=2, dropout=0.3, dropout_input=0.6, dropout_output=0.0)
     assert [config.dropout_at(s) for s in ("input", "hidden", "output")] == [0.6, 0.3, 0.0]

@@ -34,8 +34,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import PINNED, REPO, batch_of, snapshot
-from tfpar.config import Config, DataConfig, DistConfig, ModelConfig, RunConfig, TrainConfig
+from conftest import PINNED, REPO, batch_of, model_config, small_config, snapshot, train_config
+from tfpar.config import DataConfig, DistConfig, RunConfig
 from tfpar.data.pipeline import InputData, per_replica
 from tfpar.data.vocab import EOS_ID, Vocab
 from tfpar.errors import TrainingError
@@ -49,7 +49,7 @@ from tfpar.training.checkpoints import Checkpointer
 from tfpar.training.loop import Loop, count_batches
 from tfpar.training.state import build_train_state, named_weights
 
-MODEL = ModelConfig(embed_dim=8, hidden_dim=8)
+MODEL = model_config(embed_dim=8, hidden_dim=8)
 VOCAB = 20
 P = 19  # its embedding row becomes NaN: a batch reading it has a NaN loss and gradient
 Q = 18  # its softmax column becomes huge: a batch predicting it has an infinite norm
@@ -258,9 +258,9 @@ def stream_setup(tmp_path):
     lines = [" ".join(f"w{int(i)}" for i in rng.integers(0, 12, size=6)) for _ in range(40)]
     lines[20] = "w1 w2 zz w3 w4"
     vocab = Vocab.build(lines)
-    config = Config(data=DataConfig(mode="stream", bptt=4),
+    config = small_config(data=DataConfig(mode="stream", bptt=4),
                     model=MODEL,
-                    train=TrainConfig(batch_size=4, on_nan="skip", epochs=1, clip_norm=CLIP),
+                    train=train_config(batch_size=4, on_nan="skip", epochs=1, clip_norm=CLIP),
                     run=RunConfig(model_dir=str(tmp_path), progress=False))
     data = InputData({"train": lines, "valid": lines[:4], "test": lines[:4]}, vocab,
                      config.data, seed=0)

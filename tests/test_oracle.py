@@ -43,8 +43,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import batch_of, snapshot
-from tfpar.config import Config, DistConfig, ModelConfig, TrainConfig
+from conftest import batch_of, model_config, small_config, snapshot, train_config
+from tfpar.config import DistConfig, ModelConfig
 from tfpar.data.pipeline import per_replica
 from tfpar.model.lm import build_model
 from tfpar.parallel.registry import build_strategy
@@ -53,7 +53,7 @@ from tfpar.training.state import build_train_state, named_weights
 
 SEED = 3
 V = 40
-FULL = ModelConfig(embed_dim=12, hidden_dim=12, layers=2)
+FULL = model_config(embed_dim=12, hidden_dim=12, layers=2)
 SAMPLED = dataclasses.replace(FULL, softmax="sampled", num_sampled=8)
 LR, MOMENTUM = 0.5, 0.5
 RTOL, ATOL = 1e-5, 1e-6
@@ -382,7 +382,7 @@ def test_the_factorys_optimizer_applies_the_decayed_rate_in_a_step():
     """``optimizer_factory`` for ``--optimizer sgd --lr 0.8 --lr-decay 0.5 --decay-after
     2`` (no clipping, no momentum): a step at epoch e moves every weight by exactly
     -lr(e) x the hand gradient, lr 0.8, 0.4, 0.2 for epochs 1, 2, 3."""
-    config = Config(train=TrainConfig(optimizer="sgd", lr=0.8, lr_decay=0.5, decay_after=2,
+    config = small_config(train=train_config(optimizer="sgd", lr=0.8, lr_decay=0.5, decay_after=2,
                                       clip_norm=0.0))
     weights = initial_weights(FULL)
     ours = tfpar_run(FULL, weights, config.train.clip_norm,

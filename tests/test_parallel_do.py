@@ -15,9 +15,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import assert_replicas_placed, batch_of, make_lines, max_diff, placed_ops, slots_of
+from conftest import (
+    assert_replicas_placed, batch_of, make_lines, max_diff, model_config, placed_ops, slots_of)
 
-from tfpar.config import DataConfig, DistConfig, ModelConfig
+from tfpar.config import DataConfig, DistConfig
 from tfpar.data.pipeline import InputData
 from tfpar.data.vocab import Vocab
 from tfpar.model.lm import build_model
@@ -25,7 +26,7 @@ from tfpar.parallel.registry import build_strategy
 from tfpar.parallel.parallel_do import ParallelDo
 from tfpar.training.loop import evaluate
 
-MODEL = ModelConfig(embed_dim=16, hidden_dim=16)
+MODEL = model_config(embed_dim=16, hidden_dim=16)
 BATCH = 10
 CPU = [f"/device:CPU:{i}" for i in range(4)]
 LR = 0.01

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import PINNED, REPO, write_sharded_corpus
+from conftest import (
+    PINNED, REPO, model_config, small_config, train_config, write_sharded_corpus)
 from tfpar.parallel.cluster.tf_config import parse_tf_config
 from tfpar.objective import step as steps
 from tfpar.training import summaries
 from tfpar.tools.cli import train_main
-from tfpar.config import Config, DataConfig, ModelConfig, RunConfig, TrainConfig
+from tfpar.config import DataConfig, RunConfig
 from tfpar.errors import ConfigError
 from tfpar.model.lm import build_model
 from tfpar.parallel import parameter_server as ps
@@ -82,7 +83,7 @@ def test_a_sharded_keras_variable_checkpoints_like_an_unsharded_one(tmp_path):
 
 
 def test_sharded_gradients_and_updates_match_unsharded_ones(tmp_path):
-    config = ModelConfig(embed_dim=4, hidden_dim=4)
+    config = model_config(embed_dim=4, hidden_dim=4)
     plain = build_model(config, 12, seed=1)
     with sharded_scope():
         sharded = build_model(config, 12, seed=1)
@@ -110,15 +111,15 @@ def test_sharded_gradients_and_updates_match_unsharded_ones(tmp_path):
 
 
 @pytest.mark.parametrize("config, message", [
-    (Config(data=DataConfig(mode="stream")), "--mode stream carries the RNN state"),
-    (Config(run=RunConfig(profile_steps=(2, 3))), "--profile-steps profiles steps in the "
+    (small_config(data=DataConfig(mode="stream")), "--mode stream carries the RNN state"),
+    (small_config(run=RunConfig(profile_steps=(2, 3))), "--profile-steps profiles steps in the "
                                                    "training process"),
-    (Config(train=TrainConfig(weight_decay=0.01)), "--weight-decay 0.01: parameter_server "
+    (small_config(train=train_config(weight_decay=0.01)), "--weight-decay 0.01: parameter_server "
                                                    "updates variables one by one"),
-    (Config(model=ModelConfig(precision="mixed_float16")), "--precision mixed_float16: "
+    (small_config(model=model_config(precision="mixed_float16")), "--precision mixed_float16: "
      "parameter_server updates variables one by one with the optimizer's update_step, which "
      "has no loss scaling; use --precision mixed_bfloat16"),
-    (Config(train=TrainConfig(steps_per_execution=4)), "--steps-per-execution 4: "
+    (small_config(train=train_config(steps_per_execution=4)), "--steps-per-execution 4: "
      "parameter_server schedules every step on a worker without waiting for it already; "
      "use --steps-per-execution 1"),
 ])
@@ -206,7 +207,7 @@ def test_sampled_softmax_gradients_stay_sparse_across_shards_and_update_like_uns
     """--softmax sampled on partitioned tables: each shard's tf.IndexedSlices are joined
     with their rows moved by the shard's offset, and an SGD update scatters into the
     shards exactly what the unsharded model's does."""
-    config = ModelConfig(embed_dim=4, hidden_dim=4, softmax="sampled", num_sampled=4)
+    config = model_config(embed_dim=4, hidden_dim=4, softmax="sampled", num_sampled=4)
     plain = build_model(config, 12, seed=1)
     with sharded_scope():
         sharded = build_model(config, 12, seed=1)

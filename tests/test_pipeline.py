@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import PINNED, REPO, batch_of, make_lines, max_diff, slots_of
+from conftest import (
+    PINNED, REPO, batch_of, make_lines, max_diff, model_config, slots_of, small_config)
 from equivalence import assert_equivalent, make_setup, run_with_state
 from tfpar.tools import cli
-from tfpar.config import Config, DataConfig, DistConfig, ModelConfig
+from tfpar.config import DataConfig, DistConfig
 from tfpar.errors import ConfigError, DeviceError
 from tfpar.data.pipeline import InputData
 from tfpar.model.lm import build_model
@@ -26,7 +27,7 @@ from tfpar.parallel.pipeline.stages import Placement, Stage, parse_stages, place
 from tfpar.tools.verify import run_plugin
 from tfpar.data.vocab import Vocab
 
-MODEL = ModelConfig(embed_dim=16, hidden_dim=16, layers=2)
+MODEL = model_config(embed_dim=16, hidden_dim=16, layers=2)
 # The clip norm of the empty micro-batch tests below, under their first step's gradient
 # norm (asserted). The runs compared with default use verify's automatic one (equivalence).
 CLIP = 0.15
@@ -80,7 +81,7 @@ def test_pipeline_matches_default_with_clipping(micro_batches, stages, mode):
 
 def test_tied_embedding_split_from_its_softmax_matches_default():
     """The tied matrix gets gradient from two stages on two devices; summed on its own."""
-    tied = ModelConfig(embed_dim=16, hidden_dim=16, layers=1, tie_embeddings=True)
+    tied = model_config(embed_dim=16, hidden_dim=16, layers=1, tie_embeddings=True)
     ref = run(model=tied)
     got = run("embedding=/cpu:0,rnn_0=/cpu:1,softmax=/cpu:2", 2, model=tied)
     assert len(ref.result.weights) == 5  # One matrix for the embedding and the softmax.
@@ -354,16 +355,16 @@ def test_a_tied_embedding_stays_with_the_softmax_on_accelerators():
     before any variable is made. On CPUs the rule is unchanged."""
     gpus = ["/device:GPU:0", "/device:GPU:1"]
     plugin = PipelinePlugin(Placement(compute=gpus, host=CPU[0]), 2)
-    plugin.check_config(Config(model=ModelConfig(tie_embeddings=True)))
+    plugin.check_config(small_config(model=model_config(tie_embeddings=True)))
     assert plugin.placement.stages(2) == [Stage(0, gpus[1], ("embedding",)),
                                           Stage(1, gpus[0], ("rnn_0",)),
                                           Stage(2, gpus[1], ("rnn_1", "softmax"))]
     assert plugin.devices == gpus
     untied = PipelinePlugin(Placement(compute=gpus, host=CPU[0]), 2)
-    untied.check_config(Config())
+    untied.check_config(small_config())
     assert untied.placement.device_of("embedding") == CPU[0]
     cpus = build_strategy(DistConfig(strategy="pipeline"))
-    cpus.check_config(Config(model=ModelConfig(tie_embeddings=True)))
+    cpus.check_config(small_config(model=model_config(tie_embeddings=True)))
     assert cpus.placement.stages(2)[0] == Stage(0, CPU[0], ("embedding", "rnn_0"))
 
 

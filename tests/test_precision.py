@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfpar.config import Config, ModelConfig, resume_conflicts
+from conftest import model_config, small_config
+from tfpar.config import resume_conflicts
 from tfpar.model import precision
 from tfpar.model.lm import build_model
 from tfpar.objective import step
@@ -27,7 +28,7 @@ MIXED = ("mixed_bfloat16", "mixed_float16")
 
 @pytest.mark.parametrize("policy", MIXED)
 def test_a_mixed_policy_computes_in_16_bits_and_keeps_float32_where_promised(policy):
-    config = ModelConfig(embed_dim=8, hidden_dim=8, layers=2, precision=policy)
+    config = model_config(embed_dim=8, hidden_dim=8, layers=2, precision=policy)
     model = build_model(config, 30)
     low = tf.as_dtype(policy.removeprefix("mixed_"))
     assert all(v.dtype == "float32" for v in model.weights)
@@ -97,16 +98,16 @@ def test_loss_scale_skips_are_counted_and_never_stop_the_run(tmp_path, tiny_args
 
 
 def test_mixed_float16_checkpoints_do_not_resume_under_another_loss_scaling():
-    fp16 = Config(model=ModelConfig(precision="mixed_float16"))
+    fp16 = small_config(model=model_config(precision="mixed_float16"))
     for other in ("fp32", "mixed_bfloat16"):
-        assert resume_conflicts(fp16, Config(model=ModelConfig(precision=other)))
-    assert not resume_conflicts(Config(), Config(model=ModelConfig(precision="mixed_bfloat16")))
+        assert resume_conflicts(fp16, small_config(model=model_config(precision=other)))
+    assert not resume_conflicts(small_config(), small_config(model=model_config(precision="mixed_bfloat16")))
 
 
 def test_loss_scaling_divides_the_scaled_gradient_before_clipping():
     """One update with loss scaling equals the unscaled update: the clip factor comes from
     the true norm and the optimizer divides by the scale."""
-    config = ModelConfig(embed_dim=8, hidden_dim=8, layers=1)
+    config = model_config(embed_dim=8, hidden_dim=8, layers=1)
     ids = tf.constant([[3, 4, 5, 6], [6, 7, 8, 0]])
     batch = {"inputs": ids, "targets": tf.roll(ids, 1, axis=1)}
     results = []

@@ -5,7 +5,6 @@ import logging
 import re
 import sys
 
-import pytest
 
 from tfpar.training.hooks import ProgressHook, Record
 from tfpar.tools.cli import train_main

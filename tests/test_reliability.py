@@ -190,7 +190,6 @@ def test_full_disk_while_checkpointing_is_one_line_and_keeps_the_last_checkpoint
         tiny_args, capsys, tmp_path, monkeypatch):
     import errno
 
-    from tfpar.training import checkpoints
 
     real_save = tf.train.CheckpointManager.save
     calls = []

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import REPO, assert_resumed_from, load_script
+from conftest import assert_resumed_from, load_script, small_config
 from tfpar.serving import export
 from tfpar.errors import CheckpointError, ConfigError
 from tfpar.training import checkpoints
@@ -196,7 +196,7 @@ def test_the_config_and_vocab_of_a_ram_model_dir_are_checked_on_resume(ram_root,
 
     monkeypatch.chdir(tmp_path)
     vocab = Vocab(tokens=("<pad>", "<unk>", "<eos>", "a", "b"))
-    config = cfg.Config(run=cfg.RunConfig(model_dir=f"{ram_root}/run"))
+    config = small_config(run=cfg.RunConfig(model_dir=f"{ram_root}/run"))
     with checkpoints.open_model_dir(config, True, vocab=vocab) as model_dir:
         assert model_dir == f"{ram_root}/run"
         assert tf.io.gfile.exists(f"{model_dir}/LOCK")
@@ -220,12 +220,11 @@ def test_an_export_to_a_url_moves_saved_model_pb_last_and_a_failed_move_leaves_n
     """A folder rename on a URL is no single step (ram:// moves no files at all), so the
     files are moved one by one, saved_model.pb last: until it lands the version is no
     SavedModel to any reader, and a failure removes what was moved."""
-    from tfpar.config import Config
     from tfpar.data.vocab import Vocab
     from tfpar.model.lm import build_model
 
     vocab = Vocab(tokens=("<pad>", "<unk>", "<eos>", "a", "b"))
-    config = Config().replace(model={"embed_dim": 4, "hidden_dim": 4, "layers": 1},
+    config = small_config().replace(model={"embed_dim": 4, "hidden_dim": 4, "layers": 1},
                               run={"export_dir": f"{ram_root}/models", "export_name": "lm"})
     rename, moved = tf.io.gfile.rename, []
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import model_config
 from tfpar.serving import sample
-from tfpar.config import ModelConfig
 from tfpar.model.lm import build_model
 from tfpar.data.vocab import EOS_ID, PAD_ID, UNK_ID, Vocab
 
@@ -45,7 +45,7 @@ def test_prompt_ids_prepend_eos_right_pad_and_map_pad_literal_to_unk():
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_padded_prompt_ends_in_the_state_of_the_prompt_run_alone(cell):
-    model = build_model(ModelConfig(cell=cell, layers=2, embed_dim=8, hidden_dim=8), 11)
+    model = build_model(model_config(cell=cell, layers=2, embed_dim=8, hidden_dim=8), 11)
     ids, lengths = sample.prompt_ids(tf.constant(["a b c d", "a"]), VOCAB.lookup_table(),
                                      tokenizer="whitespace")
     logits, state = model(ids)
@@ -58,7 +58,7 @@ def test_padded_prompt_ends_in_the_state_of_the_prompt_run_alone(cell):
 
 
 def test_greedy_equals_a_step_by_step_argmax_of_the_model():
-    model = build_model(ModelConfig(embed_dim=8, hidden_dim=8), len(VOCAB), seed=3)
+    model = build_model(model_config(embed_dim=8, hidden_dim=8), len(VOCAB), seed=3)
     got = run(model, ["a b"], max_tokens=6, temperature=0.0)[0]
     ids = [EOS_ID] + VOCAB.encode("a b")
     expected = []
@@ -75,7 +75,7 @@ def test_greedy_equals_a_step_by_step_argmax_of_the_model():
 
 
 def test_top_k_1_and_temperature_0_are_both_greedy():
-    model = build_model(ModelConfig(embed_dim=8, hidden_dim=8), len(VOCAB), seed=4)
+    model = build_model(model_config(embed_dim=8, hidden_dim=8), len(VOCAB), seed=4)
     greedy = run(model, ["a", "c d"], temperature=0.0, seed=1)
     np.testing.assert_array_equal(run(model, ["a", "c d"], top_k=1, seed=2), greedy)
 
@@ -161,7 +161,7 @@ def test_ids_to_text_drops_pad_and_eos():
 
 
 def test_sampler_is_deterministic_and_returns_vocabulary_words():
-    model = build_model(ModelConfig(embed_dim=8, hidden_dim=8), len(VOCAB), seed=5)
+    model = build_model(model_config(embed_dim=8, hidden_dim=8), len(VOCAB), seed=5)
     sampler = sample.Sampler(model, VOCAB)
     texts = sampler(["a b", ""], max_tokens=10, seed=3)
     assert texts == sampler(["a b", ""], max_tokens=10, seed=3)

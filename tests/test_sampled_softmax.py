@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import batch_of
-from tfpar.config import DistConfig, ModelConfig
+from conftest import batch_of, model_config
+from tfpar.config import DistConfig
 from tfpar.data.pipeline import per_replica
 from tfpar.errors import ConfigError
 from tfpar.model.lm import build_model
@@ -133,16 +133,16 @@ def test_sampled_loss_is_token_weighted_like_the_full_one():
 ])
 def test_config_errors(kwargs, message):
     with pytest.raises(ConfigError, match=message):
-        ModelConfig(**kwargs)
+        model_config(**kwargs)
 
 
 def test_config_defaults_and_vocabulary_check():
-    assert ModelConfig().num_sampled is None
-    assert ModelConfig(softmax="sampled").num_sampled == 8192
-    ModelConfig(softmax="sampled", num_sampled=59).check_vocab_size(60)
+    assert model_config().num_sampled is None
+    assert model_config(softmax="sampled").num_sampled == 8192
+    model_config(softmax="sampled", num_sampled=59).check_vocab_size(60)
     with pytest.raises(ConfigError, match="num-sampled 60 must be smaller than the "
                                           "vocabulary size 60; use --num-sampled 59"):
-        ModelConfig(softmax="sampled", num_sampled=60).check_vocab_size(60)
+        model_config(softmax="sampled", num_sampled=60).check_vocab_size(60)
 
 
 # ------------------------------------------------------------------ sparse end to end
@@ -157,7 +157,7 @@ def one_sgd_step(strategy: str, softmax: str, tie: bool):
     dist = DistConfig() if strategy == "default" else DistConfig(
         strategy=strategy, devices=("/device:CPU:0", "/device:CPU:1"))
     plugin = build_strategy(dist)
-    config = ModelConfig(embed_dim=8, hidden_dim=8, tie_embeddings=tie, softmax=softmax,
+    config = model_config(embed_dim=8, hidden_dim=8, tie_embeddings=tie, softmax=softmax,
                          **({"num_sampled": 6} if softmax == "sampled" else {}))
     with plugin.scope():
         model = build_model(config, 200, seed=0)
@@ -221,7 +221,7 @@ def test_the_full_softmax_still_hands_the_optimizer_dense_gradients():
 def test_eval_and_export_logits_use_the_full_softmax():
     """A sampled model's call gives [B, T, V] logits over the whole vocabulary; the
     untied softmax kernel is stored one row per word."""
-    model = build_model(ModelConfig(embed_dim=8, hidden_dim=8, softmax="sampled",
+    model = build_model(model_config(embed_dim=8, hidden_dim=8, softmax="sampled",
                                     num_sampled=6), 200, seed=0)
     logits, _ = model(BATCH["inputs"])
     assert logits.shape == (3, 5, 200)

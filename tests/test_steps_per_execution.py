@@ -10,7 +10,7 @@ import pytest
 from tfpar.tools.cli import train_main
 from tfpar.tools.faults import checkpoint_tensors
 from test_summaries import read_events
-from conftest import PINNED, REPO, assert_resumed_from
+from conftest import PINNED, REPO, assert_resumed_from, small_config, train_config
 
 STRATEGIES = {
     "default": [],
@@ -124,12 +124,12 @@ def test_the_default_is_one_step_per_call_on_cpus_and_more_on_gpus():
     asynchronous coordinator keeps 1 (it schedules steps one by one)."""
     import types
 
-    from tfpar.config import Config, DistConfig, TrainConfig
+    from tfpar.config import DistConfig
     from tfpar.training import run
 
     def resolved(devices, strategy="mirrored", given=None):
-        config = Config(dist=DistConfig(strategy=strategy),
-                        train=TrainConfig(steps_per_execution=given))
+        config = small_config(dist=DistConfig(strategy=strategy),
+                        train=train_config(steps_per_execution=given))
         plugin = types.SimpleNamespace(devices=devices)
         return run.steps_per_execution(config, plugin).train.steps_per_execution
 

@@ -13,9 +13,9 @@ import functools
 
 import pytest
 
-from conftest import make_lines, max_diff
+from conftest import make_lines, max_diff, model_config
 from equivalence import assert_equivalent, auto_clip_norm, make_setup, run_with_state
-from tfpar.config import DataConfig, DistConfig, ModelConfig
+from tfpar.config import DataConfig, DistConfig
 from tfpar.data.pipeline import InputData
 from tfpar.model.lm import build_model
 from tfpar.parallel.registry import build_strategy
@@ -23,7 +23,7 @@ from tfpar.training.loop import evaluate
 from tfpar.tools.verify import Setup, run_pipeline, run_plugin
 from tfpar.data.vocab import Vocab
 
-MODEL = ModelConfig(embed_dim=16, hidden_dim=16)
+MODEL = model_config(embed_dim=16, hidden_dim=16)
 BATCH = 10
 CPU = tuple(f"/device:CPU:{i}" for i in range(4))
 

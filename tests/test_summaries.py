@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import model_config, small_config
 from tfpar.objective import step as steps
 
 from tfpar.training import summaries
-from tfpar.config import Config, ModelConfig
 from tfpar.data.pipeline import InputData
 from tfpar.model.lm import build_model
 from tfpar.data.vocab import Vocab
@@ -35,7 +35,7 @@ def read_events(run_dir) -> dict:
 @pytest.fixture
 def setup():
     vocab = Vocab.build(LINES)
-    config = Config().replace(model={"embed_dim": 8, "hidden_dim": 8, "layers": 2},
+    config = small_config().replace(model={"embed_dim": 8, "hidden_dim": 8, "layers": 2},
                               train={"batch_size": 4})
     data = InputData({"train": LINES, "valid": LINES[:2], "test": LINES[:2]}, vocab,
                      config.data)
@@ -47,7 +47,7 @@ def test_scalars_text_and_histograms_land_in_their_runs_at_their_steps(tmp_path)
     writer.scalars("train", {"loss": 2.5, "perplexity": math.exp(2.5)}, step=7)
     writer.scalars("eval", {"perplexity": 11.0}, step=9)
     writer.text("train", "samples", ["one", "two"], step=9)
-    model = build_model(ModelConfig(embed_dim=4, hidden_dim=4), 10)
+    model = build_model(model_config(embed_dim=4, hidden_dim=4), 10)
     writer.histograms(model, step=9)
     writer.close()
     train, evals = read_events(tmp_path / "train"), read_events(tmp_path / "eval")

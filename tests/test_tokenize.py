@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 from tfpar.config import Config, DataConfig
-from conftest import sentence_lengths
+from conftest import sentence_lengths, small_config
 from tfpar.data.pipeline import InputData
 from tfpar.data.tokenize import TOKENIZERS, join_tokens, split_tokens
 from tfpar.data.vocab import EOS, EOS_ID, Vocab
@@ -96,11 +96,11 @@ def test_an_unknown_tokenizer_is_a_one_line_error_listing_the_choices(call):
 
 
 def test_a_config_json_without_the_new_fields_means_whitespace_and_default_fractions():
-    old = json.loads(Config().to_json())
+    old = json.loads(small_config().to_json())
     del old["data"]["tokenizer"], old["data"]["split_fractions"]
     data = Config.from_dict(old).data
     assert (data.tokenizer, data.split_fractions) == ("whitespace", (0.9, 0.05, 0.05))
-    new = Config().replace(data={"tokenizer": "char", "split_fractions": (0.8, 0.1, 0.1)})
+    new = small_config().replace(data={"tokenizer": "char", "split_fractions": (0.8, 0.1, 0.1)})
     assert Config.from_json(new.to_json()) == new  # JSON lists come back as the tuple
 
 

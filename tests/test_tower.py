@@ -10,12 +10,13 @@ import sys
 import keras
 import numpy as np
 import pytest
-from conftest import assert_replicas_placed, batch_of, make_lines, max_diff, placed_ops, slots_of
+from conftest import (
+    assert_replicas_placed, batch_of, make_lines, max_diff, model_config, placed_ops, slots_of, small_config, train_config)
 from equivalence import assert_equivalent, make_setup, run_with_state
 import tensorflow as tf
 
 from tfpar.tools import cli
-from tfpar.config import Config, DataConfig, DistConfig, ModelConfig, TrainConfig
+from tfpar.config import DataConfig, DistConfig
 from tfpar.errors import DeviceError
 from tfpar.data.pipeline import InputData
 from tfpar.model.lm import build_model
@@ -25,7 +26,7 @@ from tfpar.training.schedule import EpochSchedule, base_learning_rate
 from tfpar.tools.verify import run_plugin
 from tfpar.data.vocab import Vocab
 
-MODEL = ModelConfig(embed_dim=16, hidden_dim=16)
+MODEL = model_config(embed_dim=16, hidden_dim=16)
 # The clip norm of the empty-shard tests below, under their first step's gradient norm
 # (asserted). The runs compared with default use verify's automatic one (equivalence).
 CLIP = 0.155
@@ -211,7 +212,7 @@ dist = DistConfig(strategy="tower", cpu_devices=3, devices=("/cpu:0", "/cpu:1"),
 prepare_runtime(dist)
 plugin = build_strategy(dist)
 with plugin.scope():
-    model = build_model(ModelConfig(embed_dim=4, hidden_dim=4), 10)
+    model = build_model(model_config(embed_dim=4, hidden_dim=4), 10)
     optimizer = keras.optimizers.SGD(0.1)
     optimizer.build(model.trainable_variables)
 batch = {"inputs": tf.constant([[2, 5, 6], [2, 7, 0], [2, 8, 9]]),
@@ -322,9 +323,9 @@ def test_soft_placement_lets_a_tower_fall_back(soft_placement):
 # ----------------------------------------------------------------- learning-rate scaling
 def test_linear_scaling_multiplies_by_towers_and_warmup_ramps():
     towers = build_strategy(DistConfig(strategy="tower", cpu_devices=3)).num_replicas
-    linear = Config(train=TrainConfig(lr=0.1, scale_lr="linear", warmup_steps=4))
+    linear = small_config(train=train_config(lr=0.1, scale_lr="linear", warmup_steps=4))
     assert base_learning_rate(linear, towers) == pytest.approx(0.3)
-    assert base_learning_rate(Config(train=TrainConfig(lr=0.1)), towers) == pytest.approx(0.1)
+    assert base_learning_rate(small_config(train=train_config(lr=0.1)), towers) == pytest.approx(0.1)
     schedule = EpochSchedule(0.3, 1.0, 0, 4, tf.Variable(0, dtype=tf.int64))
     lrs = [float(schedule(step)) for step in range(6)]
     np.testing.assert_allclose(lrs, [0.075, 0.15, 0.225, 0.3, 0.3, 0.3], rtol=1e-6)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import REPO, assert_resumed_from, without_gpus
+from conftest import REPO, assert_resumed_from, small_config, without_gpus
 from tfpar.data.vocab import Vocab
 from tfpar.tools.cli import train_main
 
@@ -256,17 +256,17 @@ def test_the_global_batch_may_change_at_an_epoch_end(tiny_args, tmp_path, capsys
 
 def test_moving_to_or_from_parameter_server_warns_that_updates_stop_being_exact(tmp_path,
                                                                                  caplog):
-    from tfpar.config import Config, DistConfig
+    from tfpar.config import DistConfig
     from tfpar.training.checkpoints import check_config_file
 
-    check_config_file(str(tmp_path), Config(dist=DistConfig(strategy="parameter_server")), True)
+    check_config_file(str(tmp_path), small_config(dist=DistConfig(strategy="parameter_server")), True)
     with caplog.at_level("WARNING", logger="tfpar"):
-        check_config_file(str(tmp_path), Config(dist=DistConfig(strategy="mirrored")), True)
+        check_config_file(str(tmp_path), small_config(dist=DistConfig(strategy="mirrored")), True)
     assert ("resuming a --strategy parameter_server checkpoint under --strategy mirrored: "
             "the updates before this point were asynchronous") in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="tfpar"):
-        check_config_file(str(tmp_path), Config(dist=DistConfig(strategy="tower")), True)
+        check_config_file(str(tmp_path), small_config(dist=DistConfig(strategy="tower")), True)
     assert caplog.text == ""  # synchronous to synchronous: exact, nothing to say
 
 

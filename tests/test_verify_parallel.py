@@ -255,7 +255,8 @@ def test_verify_fails_a_gradient_off_by_one_percent(monkeypatch, tmp_path, capsy
     """The auto clip norm leaves some steps unclipped, so a gradient off by a constant
     factor moves the weights and the momentum slots differently: exit 1."""
     monkeypatch.setitem(tfpar.parallel.registry.STRATEGIES, "off_by_1pc",
-                        lambda dist: OffByOnePercent(list(dist.devices)))
+                        tfpar.parallel.registry.Strategy(
+                            lambda dist: OffByOnePercent(list(dist.devices))))
     monkeypatch.setitem(verify.RUNNERS, "off_by_1pc", Runner(verify.on_devices("off_by_1pc")))
     path = tmp_path / "rows.json"
     argv = ["--strategies", "parallel_do:2,off_by_1pc:2", "--json", str(path)]

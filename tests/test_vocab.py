@@ -2,7 +2,6 @@ import math
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 import tensorflow as tf
 

@@ -189,14 +189,14 @@ class ModelConfig:
     # Recurrent cell: "lstm" or "gru".
     cell: str = "lstm"
     # Number of stacked recurrent layers.
-    layers: int = 1
+    layers: int = 2
     # Word embedding width.
-    embed_dim: int = 128
+    embed_dim: int = 200
     # Recurrent state width of every layer.
-    hidden_dim: int = 256
+    hidden_dim: int = 200
     # Dropout rate after the embedding and after every recurrent layer (0: off); the
     # three sites below override it one by one (None: this rate).
-    dropout: float = 0.0
+    dropout: float = 0.2
     # ... on the embedding output (AWD-LSTM's dropouti),
     dropout_input: float | None = None
     # ... between recurrent layers (dropouth),
@@ -212,10 +212,11 @@ class ModelConfig:
     # Weight drop (DropConnect) on every recurrent matrix, one mask per step (Wan et al.
     # 2013; Merity et al. 2017's wdrop).
     weight_drop: float = 0.0
-    # Share the embedding matrix with the softmax (needs embed_dim == hidden_dim).
-    tie_embeddings: bool = False
+    # Share the embedding matrix with the softmax (a learned hidden_dim x embed_dim
+    # projection before it when the two differ).
+    tie_embeddings: bool = True
     # Initialise every weight uniformly in [-init_scale, init_scale] (0: Keras defaults).
-    init_scale: float = 0.0
+    init_scale: float = 0.1
     # "fp32"; "bf16": the large matmuls (the RNN input projections and their weight
     # gradients, the softmax) run in bfloat16 on float32 weights; recurrent state, loss
     # and optimizer stay float32 (pays off on CPUs with AMX/AVX512-BF16); or a Keras
@@ -291,9 +292,9 @@ class TrainConfig:
 
     # "sgd", "adam" or "adagrad" (with sparse gradients, SGD and Adagrad update only the
     # rows a step touched; Adam every row: tfpar/docs/models.md, "Huge vocabularies").
-    optimizer: str = "adam"
+    optimizer: str = "sgd"
     # Base learning rate (before decay, warm-up and linear scaling).
-    lr: float = 3e-3
+    lr: float = 20.0
     # Multiply the learning rate by this after every epoch past decay_after.
     lr_decay: float = 1.0
     # Epochs trained at the base learning rate before the decay starts.
@@ -303,13 +304,13 @@ class TrainConfig:
     # Ramp the learning rate linearly from 0 over this many steps (0: no warm-up).
     warmup_steps: int = 0
     # Clip the aggregated gradient to this global norm (0: no clipping).
-    clip_norm: float = 5.0
+    clip_norm: float = 0.25
     # Passes over the training split.
     epochs: int = 1
     # Stop after this many optimizer steps in total (0: no limit).
     max_steps: int = 0
     # Global batch size: sentences (sentence mode) or columns (stream mode), all replicas.
-    batch_size: int = 64
+    batch_size: int = 20
     # Global batch size for evaluation (0: same as batch_size).
     eval_batch_size: int = 0
     # Seed for initial weights, shuffling and dropout.

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import PINNED
-from tfpar.config import ModelConfig
+from conftest import PINNED, model_config
 from tfpar.model import layers
 from tfpar.model.lm import build_model
 from tfpar.objective.losses import nll_sum_and_count
@@ -28,7 +27,7 @@ if not GPUS:
     pytest.skip("no GPU visible to TensorFlow", allow_module_level=True)
 print(f"\ngpu-check: {len(GPUS)} GPU(s): {', '.join(d.name for d in GPUS)}")
 
-MODEL = ModelConfig(embed_dim=64, hidden_dim=128, layers=2)
+MODEL = model_config(embed_dim=64, hidden_dim=128, layers=2)
 V = 1000
 
 

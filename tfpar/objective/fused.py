@@ -84,8 +84,26 @@ def fused_softmax_nll(h: tf.Tensor, kernel, bias, targets: tf.Tensor,
         return tf.reduce_sum(nll * token_weights), count
     layout = (vocab_major, matmul_dtype)
     kernel, bias = _tensor(kernel), _tensor(bias)
-    if h.shape[0] is not None and h.shape[0] <= rows and bias.shape[0] <= columns:
-        return _one_block(h, targets, token_weights, kernel, bias, layout), count
+
+    def one_block():
+        return _one_block(h, targets, token_weights, kernel, bias, layout)
+
+    def blocks():
+        return _blocks(h, targets, token_weights, kernel, bias, layout, rows=rows,
+                       columns=columns)
+
+    if bias.shape[0] > columns:
+        return blocks(), count
+    n = h.shape[0]
+    if n is not None:
+        return (one_block() if n <= rows else blocks()), count
+    # The trace hides the row count (a strategy's slice of the batch, a batch read inside
+    # a multi-step loop): the path follows the count the step runs with.
+    return tf.cond(tf.shape(h)[0] <= rows, one_block, blocks), count
+
+
+def _blocks(h, targets, token_weights, kernel, bias, layout, *, rows: int, columns: int):
+    """The loss with its gradient computed in the same pass, block by block."""
 
     @tf.custom_gradient
     def loss(h, kernel, bias):
@@ -97,7 +115,7 @@ def fused_softmax_nll(h: tf.Tensor, kernel, bias, targets: tf.Tensor,
 
         return tf.reduce_sum(nll * token_weights), grad
 
-    return loss(h, kernel, bias), count
+    return loss(h, kernel, bias)
 
 
 def _one_block(h, targets, token_weights, kernel, bias, layout):
@@ -179,8 +197,11 @@ def _flat(h, targets, token_weights):
 
 
 def _tensor(weight):
-    """A variable's (a Keras variable's, a replica's copy's) value as a tensor."""
-    return tf.convert_to_tensor(weight)
+    """A variable's (a Keras variable's, a replica's copy's) value as a tensor, read under
+    the caller's device: a variable read requests no device, and the block loops' inputs
+    fed from one ran on the host's first device (a pipeline stage's output layer read
+    across devices every evaluation batch; ``tests/test_pipeline.py``)."""
+    return tf.identity(tf.convert_to_tensor(weight))
 
 
 # -- the row blocks

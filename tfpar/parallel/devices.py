@@ -157,11 +157,12 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
-def intra_op_threads(dist, cpu_devices: int) -> int:
+def intra_op_threads(dist, cpu_devices: int, *, split: bool) -> int:
     """Threads one op may use for this run; 0 leaves TensorFlow's default (every core).
 
-    ``dist.intra_op_threads`` when set. Otherwise, when a multi-device strategy (mirrored,
-    tower, pipeline) runs on ``cpu_devices`` >= 2 logical CPU devices, the host's cores
+    ``dist.intra_op_threads`` when set. Otherwise, when a strategy whose devices work at
+    once (``split``: the registry's ``splits_threads``; mirrored, tower, pipeline,
+    parallel_do) runs on ``cpu_devices`` >= 2 logical CPU devices, the host's cores
     divided among them: logical devices share TF's one thread pool, so with the default
     each replica's large matmuls take every core and the replicas (or pipeline stages)
     queue behind each other, where with a share each they run side by side, overlapping
@@ -169,8 +170,7 @@ def intra_op_threads(dist, cpu_devices: int) -> int:
     """
     if dist.intra_op_threads:
         return dist.intra_op_threads
-    if dist.strategy in ("mirrored", "tower", "pipeline") and cpu_devices >= 2 \
-            and num_gpus() == 0:
+    if split and cpu_devices >= 2 and num_gpus() == 0:
         return max(1, host_cores() // cpu_devices)
     return 0
 

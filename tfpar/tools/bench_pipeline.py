@@ -165,7 +165,8 @@ def pipeline_sweep(micro_batches: Sequence[int] = (1, 2, 4, 8), *,
     """
     from tfpar.config import ModelConfig
 
-    model_config = ModelConfig(layers=layers, embed_dim=embed_dim, hidden_dim=hidden_dim)
+    model_config = ModelConfig(layers=layers, embed_dim=embed_dim, hidden_dim=hidden_dim,
+                               dropout=0.0, tie_embeddings=False, init_scale=0.0)
     batch = _batch(batch_size, seq_len, vocab_size, seed)
     placements = {"pipeline": stages}
     if one_device:

@@ -17,6 +17,11 @@ from typing import Callable, Sequence
 from tfpar import config as cfg
 from tfpar.errors import ConfigError, TfparError
 
+# The defaults a user gets are the dataclasses' (one source: a flag's default is its
+# field's, so ``Config()`` trains what ``tfpar-train`` with no flags trains).
+_DATA, _MODEL, _TRAIN = cfg.DataConfig(), cfg.ModelConfig(), cfg.TrainConfig()
+_DIST, _RUN = cfg.DistConfig(), cfg.RunConfig()
+
 
 def add_preset_flag(p: argparse.ArgumentParser) -> None:
     from tfpar.tools.presets import PRESETS
@@ -28,35 +33,35 @@ def add_preset_flag(p: argparse.ArgumentParser) -> None:
 
 def add_distribution_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("distribution")
-    g.add_argument("--strategy", default="default",
+    g.add_argument("--strategy", default=_DIST.strategy,
                    help="default | one_device | mirrored | tower | pipeline | parallel_do | "
                         "multi_worker | parameter_server (default: %(default)s)")
-    g.add_argument("--devices", default="",
+    g.add_argument("--devices", default=",".join(_DIST.devices),
                    help="comma-separated devices, e.g. /gpu:0,/gpu:1 or /cpu:0,/cpu:1 "
                         "(default: all GPUs, else logical CPU devices)")
-    g.add_argument("--cpu-devices", type=int, default=0,
+    g.add_argument("--cpu-devices", type=int, default=_DIST.cpu_devices,
                    help="split the host CPU into N logical devices (default: 2 for "
                         "multi-device strategies on a host without GPUs)")
-    g.add_argument("--all-reduce", default="auto", choices=None,
+    g.add_argument("--all-reduce", default=_DIST.all_reduce, choices=None,
                    help="mirrored cross-device reduction: auto | nccl | hierarchical_copy | "
                         "reduce_to_one (auto: NCCL with >=2 GPUs, else reduce_to_one)")
-    g.add_argument("--variable-device", default="",
+    g.add_argument("--variable-device", default=_DIST.variable_device,
                    help="tower: where variables live, a device or cpu (the host CPU, as "
                         "TF1's cifar10_multi_gpu_train; default: the first tower's device)")
-    g.add_argument("--tower-reduce", default="controller",
+    g.add_argument("--tower-reduce", default=_DIST.tower_reduce,
                    help="tower: controller (gather on the variable device) | ring (chunked "
                         "ring all-reduce across towers)")
-    g.add_argument("--communication", default="auto",
+    g.add_argument("--communication", default=_DIST.communication,
                    help="multi_worker collectives: auto | ring | nccl")
-    g.add_argument("--cluster", default="auto",
+    g.add_argument("--cluster", default=_DIST.cluster,
                    help="multi_worker / parameter_server: where the cluster comes from: "
                         "tf_config (the TF_CONFIG variable, as Kubernetes' TFJob writes it) | "
                         "slurm (the srun job step's SLURM_* variables; multi_worker) | auto "
                         "(TF_CONFIG if set, else the Slurm step; default: %(default)s)")
-    g.add_argument("--stages", default="",
+    g.add_argument("--stages", default=_DIST.stages,
                    help="pipeline: part=device list, e.g. embedding=/cpu:0,rnn=/cpu:1,"
                         "softmax=/cpu:1")
-    g.add_argument("--micro-batches", type=int, default=4,
+    g.add_argument("--micro-batches", type=int, default=_DIST.micro_batches,
                    help="pipeline: micro-batches per global batch (default: %(default)s)")
     g.add_argument("--log-device-placement", action="store_true",
                    help="log the device every op runs on (TensorFlow's placement log)")
@@ -68,7 +73,7 @@ def add_distribution_flags(p: argparse.ArgumentParser) -> None:
                    help="hide every GPU and train on CPUs (without it, a host with NVIDIA "
                         "devices or CUDA_VISIBLE_DEVICES where TensorFlow finds no GPU "
                         "stops with an error)")
-    g.add_argument("--intra-op-threads", type=int, default=0,
+    g.add_argument("--intra-op-threads", type=int, default=_DIST.intra_op_threads,
                    help="threads one op may use (default 0: with N logical CPU devices "
                         "working at once, the host's cores / N, so replicas or stages run "
                         "side by side instead of sharing every core; else TF's default)")
@@ -76,31 +81,31 @@ def add_distribution_flags(p: argparse.ArgumentParser) -> None:
 
 def add_data_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
-    g.add_argument("--data", default="synthetic",
+    g.add_argument("--data", default=_DATA.source,
                    help="synthetic | ptb | wikitext-2 | tfds:NAME | a folder with "
                         "train/valid/test splits | one UTF-8 text file, cut into "
                         "train/valid/test by --split-fractions (default: %(default)s)")
-    g.add_argument("--split-fractions", default=",".join(map(str, cfg.SPLIT_FRACTIONS)),
+    g.add_argument("--split-fractions", default=",".join(map(str, _DATA.split_fractions)),
                    metavar="TRAIN,VALID,TEST",
                    help="a one-file --data: the train,valid,test shares of its non-blank "
                         "lines, taken as contiguous blocks in that order; each > 0, summing "
                         "to 1 (default: %(default)s)")
-    g.add_argument("--tokenizer", default="whitespace",
+    g.add_argument("--tokenizer", default=_DATA.tokenizer,
                    help="how lines become tokens: whitespace (split at spaces and tabs) | "
                         "punct (words and punctuation apart: 'sir!' -> 'sir !') | char "
                         "(every character, spaces included; a line end is <eos>) "
                         "(default: %(default)s)")
-    g.add_argument("--input-dir", default="input",
+    g.add_argument("--input-dir", default=_DATA.input_dir,
                    help="folder holding named corpora as <input-dir>/<name>/ "
                         "(default: %(default)s)")
     g.add_argument("--tfds-data-dir", default=None,
                    help="TensorFlow Datasets data_dir for tfds:NAME (never downloaded here)")
-    g.add_argument("--mode", default="sentence",
+    g.add_argument("--mode", default=_DATA.mode,
                    help="sentence (bucketed sentences) | stream (contiguous BPTT windows)")
-    g.add_argument("--bptt", type=int, default=35, help="stream mode window length")
-    g.add_argument("--vocab-size", type=int, default=0,
+    g.add_argument("--bptt", type=int, default=_DATA.bptt, help="stream mode window length")
+    g.add_argument("--vocab-size", type=int, default=_DATA.vocab_size,
                    help="keep at most N vocabulary entries incl. <pad> <unk> <eos> (0: all)")
-    g.add_argument("--min-count", type=int, default=1,
+    g.add_argument("--min-count", type=int, default=_DATA.min_count,
                    help="words seen fewer times in train become <unk>")
     g.add_argument("--vocab-file", default=None, metavar="PATH",
                    help="use this vocabulary instead of counting the train split: one "
@@ -109,29 +114,29 @@ def add_data_flags(p: argparse.ArgumentParser) -> None:
                         "to <model-dir>/vocab.txt. It is used whole: --vocab-size and "
                         "--min-count do not apply (giving either is an error). It has no "
                         "train counts, so unigram_valid_ppl is not reported")
-    g.add_argument("--max-length", type=int, default=80,
+    g.add_argument("--max-length", type=int, default=_DATA.max_length,
                    help="longest sentence-mode example in tokens (default: %(default)s)")
-    g.add_argument("--long-sentences", default="split",
+    g.add_argument("--long-sentences", default=_DATA.long_sentences,
                    help="split | truncate sentences longer than --max-length")
-    g.add_argument("--max-pad-fraction", type=float, default=0.02,
+    g.add_argument("--max-pad-fraction", type=float, default=_DATA.max_pad_fraction,
                    help="bucket boundaries keep expected padding below this share")
-    g.add_argument("--shuffle-buffer", type=int, default=100_000, metavar="LINES",
+    g.add_argument("--shuffle-buffer", type=int, default=_DATA.shuffle_buffer, metavar="LINES",
                    help="sentence mode: each epoch shuffles the shard order, then lines "
                         "through a buffer of this many lines (memory stays bounded; the "
                         "default shuffles PTB or WikiText-2 whole) (default: %(default)s)")
-    g.add_argument("--synthetic-sentences", default="20000,2000,2000",
+    g.add_argument("--synthetic-sentences", default=f"{_DATA.synthetic_train},{_DATA.synthetic_valid},{_DATA.synthetic_test}",
                    help="synthetic corpus size: train,valid,test sentences")
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--cell", default="lstm", help="lstm | gru")
-    g.add_argument("--layers", type=int, default=2, help="stacked RNN layers (default: 2)")
-    g.add_argument("--embed-dim", type=int, default=200, help="embedding width (default: 200)")
-    g.add_argument("--hidden-dim", type=int, default=200, help="RNN state width (default: 200)")
-    g.add_argument("--dropout", type=float, default=0.2,
+    g.add_argument("--cell", default=_MODEL.cell, help="lstm | gru")
+    g.add_argument("--layers", type=int, default=_MODEL.layers, help="stacked RNN layers (default: %(default)s)")
+    g.add_argument("--embed-dim", type=int, default=_MODEL.embed_dim, help="embedding width (default: %(default)s)")
+    g.add_argument("--hidden-dim", type=int, default=_MODEL.hidden_dim, help="RNN state width (default: %(default)s)")
+    g.add_argument("--dropout", type=float, default=_MODEL.dropout,
                    help="dropout rate on the embedding output, between layers and before "
-                        "the softmax (default 0.2; 0: off); the next three flags override it "
+                        "the softmax (default %(default)s; 0: off); the next three flags override it "
                         "per site")
     for site, where in (("input", "the embedding output"), ("hidden", "between layers"),
                         ("output", "the last layer's output (before the softmax)")):
@@ -140,26 +145,26 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--locked-dropout", action="store_true",
                    help="variational dropout: one mask per sequence for all its time steps "
                         "(default: one per token)")
-    g.add_argument("--embed-dropout", type=float, default=0.0,
+    g.add_argument("--embed-dropout", type=float, default=_MODEL.embed_dropout,
                    help="word-type dropout: drop a word's vector everywhere it occurs in a "
                         "step (default 0: off)")
-    g.add_argument("--weight-drop", type=float, default=0.0,
+    g.add_argument("--weight-drop", type=float, default=_MODEL.weight_drop,
                    help="DropConnect on the recurrent matrices, one mask per step "
                         "(default 0: off)")
-    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=_MODEL.tie_embeddings,
                    help="share the embedding with the softmax (a learned hidden-dim x "
-                        "embed-dim projection before it when the two differ) (default: on)")
-    g.add_argument("--init-scale", type=float, default=0.1,
-                   help="uniform init in [-s, s] for every weight (default 0.1; 0: Keras "
+                        "embed-dim projection before it when the two differ) (default: %(default)s)")
+    g.add_argument("--init-scale", type=float, default=_MODEL.init_scale,
+                   help="uniform init in [-s, s] for every weight (default %(default)s; 0: Keras "
                         "defaults)")
-    g.add_argument("--precision", default="fp32",
+    g.add_argument("--precision", default=_MODEL.precision,
                    help="fp32 | bf16 (large matmuls in bfloat16 on float32 layers, for CPUs "
                         "with AMX/AVX512-BF16) | mixed_bfloat16 | mixed_float16 (Keras "
                         "mixed-precision policies: float32 variables, 16-bit compute, float32 "
                         "softmax and loss; mixed_float16 with dynamic loss scaling; for "
                         "GPUs: bfloat16 on A100/H100, float16 on V100/T4) "
                         "(default: %(default)s)")
-    g.add_argument("--softmax", default="full",
+    g.add_argument("--softmax", default=_MODEL.softmax,
                    help="the training loss: full (every word's logit) | sampled "
                         "(tf.nn.sampled_softmax_loss over each target and --num-sampled "
                         "log-uniform candidates, one draw per step shared by every replica; "
@@ -170,11 +175,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="--softmax sampled: candidates per step, 1 <= K < vocabulary size "
                         f"(default: {cfg.DEFAULT_NUM_SAMPLED}; an error without "
                         "--softmax sampled)")
-    g.add_argument("--fused-softmax", action=argparse.BooleanOptionalAction, default=False,
+    g.add_argument("--fused-softmax", action=argparse.BooleanOptionalAction, default=_MODEL.fused_softmax,
                    help="compute the full softmax's loss block by block from the hidden "
                         "states, without the [tokens, V] logits (evaluation at any "
                         "vocabulary size); --no-fused-softmax: the logits, then the "
-                        "cross-entropy (default: off)")
+                        "cross-entropy (default: %(default)s)")
     g.add_argument("--softmax-blocks", default=None, metavar="ROWSxCOLUMNS",
                    help="the fused softmax's largest block of logits, tokens x vocabulary "
                         "entries (default: %dx%d, measured: tfpar/docs/benchmarks.md)"
@@ -183,27 +188,27 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def add_train_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("training")
-    g.add_argument("--optimizer", default="sgd",
-                   help="sgd | adam | adagrad (default: sgd). With --softmax sampled the "
+    g.add_argument("--optimizer", default=_TRAIN.optimizer,
+                   help="sgd | adam | adagrad (default: %(default)s). With --softmax sampled the "
                         "embedding and softmax gradients are sparse: sgd (no momentum) and "
                         "adagrad update only the rows a step touched; adam updates every "
                         "row (its moments decay everywhere), and so does --weight-decay"),
-    g.add_argument("--lr", type=float, default=20.0,
-                   help="learning rate (default: 20, for plain SGD on the per-token mean "
+    g.add_argument("--lr", type=float, default=_TRAIN.lr,
+                   help="learning rate (default: %(default)g, for plain SGD on the per-token mean "
                         "loss; Adam wants about 1e-3)")
-    g.add_argument("--lr-decay", type=float, default=1.0, help="per-epoch LR factor")
-    g.add_argument("--decay-after", type=int, default=0,
+    g.add_argument("--lr-decay", type=float, default=_TRAIN.lr_decay, help="per-epoch LR factor")
+    g.add_argument("--decay-after", type=int, default=_TRAIN.decay_after,
                    help="epochs at the base LR before --lr-decay applies")
-    g.add_argument("--scale-lr", default="none",
+    g.add_argument("--scale-lr", default=_TRAIN.scale_lr,
                    help="none | linear (multiply LR by the replica count; use warm-up)")
-    g.add_argument("--warmup-steps", type=int, default=0, help="linear LR warm-up steps")
-    g.add_argument("--weight-decay", type=float, default=0.0,
+    g.add_argument("--warmup-steps", type=int, default=_TRAIN.warmup_steps, help="linear LR warm-up steps")
+    g.add_argument("--weight-decay", type=float, default=_TRAIN.weight_decay,
                    help="decoupled weight decay: each step w -= lr * wd * w (default 0: off)")
-    g.add_argument("--clip-norm", type=float, default=0.25,
-                   help="clip the aggregated gradient's global norm (default 0.25; 0: off)")
-    g.add_argument("--epochs", type=int, default=1, help="passes over train (default: %(default)s; keeps `make train` under 3 minutes)")
-    g.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: no limit)")
-    g.add_argument("--time-limit", type=float, default=0.0,
+    g.add_argument("--clip-norm", type=float, default=_TRAIN.clip_norm,
+                   help="clip the aggregated gradient's global norm (default %(default)s; 0: off)")
+    g.add_argument("--epochs", type=int, default=_TRAIN.epochs, help="passes over train (default: %(default)s; keeps `make train` under 3 minutes)")
+    g.add_argument("--max-steps", type=int, default=_TRAIN.max_steps, help="stop after N steps (0: no limit)")
+    g.add_argument("--time-limit", type=float, default=_TRAIN.time_limit,
                    help="stop training after this many minutes (checkpoint, then evaluate "
                         "and export as at the end; 0: no limit)")
     g.add_argument("--steps-per-execution", type=int, default=None, metavar="N",
@@ -212,22 +217,22 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
                         "--max-steps and the non-finite guard keep their meaning) "
                         "(default: 1 on CPUs, 20 when the strategy's devices are GPUs, "
                         "where a step is short against the host's ~1 ms per call)")
-    g.add_argument("--batch-size", type=int, default=20,
+    g.add_argument("--batch-size", type=int, default=_TRAIN.batch_size,
                    help="GLOBAL batch: sentences (or stream columns) over all replicas "
-                        "(default: 20)")
-    g.add_argument("--eval-batch-size", type=int, default=0,
+                        "(default: %(default)s)")
+    g.add_argument("--eval-batch-size", type=int, default=_TRAIN.eval_batch_size,
                    help="global eval batch (0: --batch-size)")
-    g.add_argument("--seed", type=int, default=0, help="seed for weights, shuffling, dropout")
+    g.add_argument("--seed", type=int, default=_TRAIN.seed, help="seed for weights, shuffling, dropout")
     g.add_argument("--deterministic", action="store_true",
                    help="deterministic TF kernels for the whole process (slower; exact resumes)")
-    g.add_argument("--on-nan", default="stop", help="stop | skip a non-finite step")
-    g.add_argument("--nan-patience", type=int, default=10,
+    g.add_argument("--on-nan", default=_TRAIN.on_nan, help="stop | skip a non-finite step")
+    g.add_argument("--nan-patience", type=int, default=_TRAIN.nan_patience,
                    help="--on-nan skip gives up after N non-finite batches in a row "
                         "(0: never; default: %(default)s)")
-    g.add_argument("--early-stop", type=int, default=0, metavar="EPOCHS",
+    g.add_argument("--early-stop", type=int, default=_TRAIN.early_stop, metavar="EPOCHS",
                    help="stop training after this many epochs in a row without a better "
                         "valid perplexity (default 0: never)")
-    g.add_argument("--init-from", default="", metavar="DIR",
+    g.add_argument("--init-from", default=_RUN.init_from, metavar="DIR",
                    help="fine-tune: start this run from the model weights of the trained run "
                         "in model dir DIR (not its optimizer, step, epoch or input position). "
                         "The model's shape (--cell, --layers, --embed-dim, --hidden-dim, "
@@ -235,10 +240,10 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
                         "vocabulary (DIR/vocab.txt, used as --vocab-file is) are DIR's: those "
                         "flags are not used (the log names any that differed). Only for a "
                         "fresh --model-dir: one with a checkpoint resumes it, as always")
-    g.add_argument("--init-weights", default="latest", choices=cfg.INIT_WEIGHTS,
+    g.add_argument("--init-weights", default=_RUN.init_weights, choices=cfg.INIT_WEIGHTS,
                    help="--init-from: latest (DIR's last checkpoint) | best (its best "
                         "epoch's, kept in DIR/best) (default: %(default)s)")
-    g.add_argument("--lr-decay-on-plateau", type=float, default=0.0, metavar="FACTOR",
+    g.add_argument("--lr-decay-on-plateau", type=float, default=_TRAIN.lr_decay_on_plateau, metavar="FACTOR",
                    help="multiply the learning rate by FACTOR after each epoch whose valid "
                         "perplexity is not the best so far (0.25: divide by 4, as PyTorch's "
                         "word_language_model; default 0: off)")
@@ -246,37 +251,37 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
 
 def add_output_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("outputs")
-    g.add_argument("--model-dir", default="",
+    g.add_argument("--model-dir", default=_RUN.model_dir,
                    help="checkpoints + TensorBoard events; re-use to resume. A local folder "
                         "or a URL: gs://, ram://, and with tensorflow-io s3://, hdfs:// "
                         "(default: runs/<strategy>-<timestamp>)")
-    g.add_argument("--export-dir", default="saved_models",
+    g.add_argument("--export-dir", default=_RUN.export_dir,
                    help="SavedModels go to <export-dir>/<export-name>/<version>/ (a local "
                         "folder or a URL, as --model-dir)")
-    g.add_argument("--export-name", default="tfpar_lm", help="SavedModel name")
+    g.add_argument("--export-name", default=_RUN.export_name, help="SavedModel name")
     g.add_argument("--no-export", action="store_true", help="skip the SavedModel export")
-    g.add_argument("--checkpoint-every", type=int, default=0,
+    g.add_argument("--checkpoint-every", type=int, default=_RUN.checkpoint_every,
                    help="checkpoint every N steps (0: each epoch end)")
-    g.add_argument("--keep-checkpoints", type=int, default=3, help="checkpoints kept")
-    g.add_argument("--evaluator-timeout", type=float, default=3600.0, metavar="SECONDS",
+    g.add_argument("--keep-checkpoints", type=int, default=_RUN.keep_checkpoints, help="checkpoints kept")
+    g.add_argument("--evaluator-timeout", type=float, default=_RUN.evaluator_timeout, metavar="SECONDS",
                    help="a side-car evaluator task (TF_CONFIG task type evaluator) stops "
                         "with an error after this long without a new checkpoint "
                         "(default: %(default)g)")
-    g.add_argument("--log-every", type=int, default=10, help="summary interval in steps")
-    g.add_argument("--metrics-json", default="",
+    g.add_argument("--log-every", type=int, default=_RUN.log_every, help="summary interval in steps")
+    g.add_argument("--metrics-json", default=_RUN.metrics_json,
                    help="write final metrics to this JSON file (a local path or a URL)")
-    g.add_argument("--final-weights", default="best",
+    g.add_argument("--final-weights", default=_RUN.final_weights,
                    help="best | last: the weights the final valid/test evaluation and the "
                         "export use: those of the epoch with the best valid perplexity (kept "
                         "in <model-dir>/best) or the last ones (default: %(default)s)")
     g.add_argument("--no-progress", action="store_true",
                    help="no progress bar and no progress lines")
-    g.add_argument("--progress-every", type=float, default=30.0, metavar="SECONDS",
+    g.add_argument("--progress-every", type=float, default=_RUN.progress_every, metavar="SECONDS",
                    help="when stdout is not a terminal (a file, a pipe, a job's log), "
                         "progress is a plain log line every SECONDS (the epoch's step, "
                         "loss, ppl and tok/s so far, and an ETA) instead of a redrawn bar; "
                         "0: one line at each epoch end (default: %(default)s)")
-    g.add_argument("--profile-steps", default="",
+    g.add_argument("--profile-steps", default=",".join(map(str, _RUN.profile_steps)),
                    help="A,B: profile steps A..B into the TensorBoard log")
     g.add_argument("-v", "--verbose", action="store_true", help="TensorFlow's own logs too")
 
@@ -427,9 +432,7 @@ def prepare_runtime(dist: cfg.DistConfig,
       DeviceError: TensorFlow was initialised with fewer logical CPU devices than ``dist``
         needs (the message ends with ``too_late``: what to do instead).
     """
-    from tfpar.parallel.registry import cpu_devices_needed
-    from tfpar.parallel import devices
-    from tfpar.parallel.cluster.tf_config import CLUSTER_STRATEGIES
+    from tfpar.parallel import devices, registry
 
     # First: TF reads the placement log setting only when its runtime initialises (and
     # configure_cpu_devices initialises it); set later, the log stays silent.
@@ -438,11 +441,11 @@ def prepare_runtime(dist: cfg.DistConfig,
     devices.configure_gpus(dist.cpu_only)  # GPUs hidden, or memory growth; usable or error
     # Cluster strategies configure TF's collective/gRPC runtime, which must happen before
     # it initialises (listing devices would); they use one CPU device per task.
-    count = 1 if dist.strategy in CLUSTER_STRATEGIES else cpu_devices_needed(dist)
+    count = registry.cpu_devices_needed(dist)
     # Thread pools too are fixed when the runtime initialises: before the devices.
-    devices.configure_threads(devices.intra_op_threads(dist, count),
+    devices.configure_threads(registry.intra_op_threads(dist, count),
                               requested=bool(dist.intra_op_threads))
-    if dist.strategy not in CLUSTER_STRATEGIES:
+    if not registry.traits(dist.strategy).cluster:
         devices.configure_cpu_devices(count, too_late=too_late)
 
 

@@ -236,7 +236,7 @@ def build_setup(spec: VerifySpec) -> Setup:
                                embed_dropout=spec.embed_dropout, weight_drop=spec.weight_drop,
                                tie_embeddings=spec.tie_embeddings, softmax=spec.softmax,
                                num_sampled=spec.num_sampled if spec.softmax == "sampled" else None,
-                               precision=spec.precision)
+                               precision=spec.precision, init_scale=0.0)
     model_config.check_vocab_size(len(data.vocab))
     with tf.device("/cpu:0"):
         model = build_model(model_config, len(data.vocab), seed=spec.seed)

@@ -166,7 +166,7 @@ def steps_per_execution(config: Config, plugin) -> Config:
 def build_plugin(config: Config):
     """The synchronous plug-in, or the coordinator of asynchronous training."""
     if config.dist.strategy in ASYNCHRONOUS:
-        return ASYNCHRONOUS[config.dist.strategy](config.dist)
+        return ASYNCHRONOUS[config.dist.strategy].build(config.dist)
     return build_strategy(config.dist)
 
 

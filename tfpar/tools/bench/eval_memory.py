@@ -61,6 +61,7 @@ def child(vocab_size: int, fused: bool, *, rows: int = ROWS, steps: int = STEPS,
 
     plugin = build_strategy(DistConfig())
     config = ModelConfig(layers=layers, embed_dim=width, hidden_dim=width,
+                         dropout=0.0, tie_embeddings=False, init_scale=0.0,
                          fused_softmax=fused)
     with plugin.scope():
         model = build_model(config, vocab_size, seed=seed)

@@ -72,7 +72,8 @@ def model_config(spec: BenchSpec, precision: str | None = None, *, fused: bool =
 
     return ModelConfig(layers=spec.layers, embed_dim=spec.embed_dim, hidden_dim=spec.hidden_dim,
                        precision=precision or spec.precision, softmax=spec.softmax,
-                       num_sampled=spec.num_sampled, fused_softmax=fused)
+                       num_sampled=spec.num_sampled, fused_softmax=fused, dropout=0.0,
+                       tie_embeddings=False, init_scale=0.0)
 
 
 def fixed_windows(stream: np.ndarray, bptt: int) -> tuple[np.ndarray, np.ndarray]:
