@@ -212,7 +212,8 @@ dist = DistConfig(strategy="tower", cpu_devices=3, devices=("/cpu:0", "/cpu:1"),
 prepare_runtime(dist)
 plugin = build_strategy(dist)
 with plugin.scope():
-    model = build_model(model_config(embed_dim=4, hidden_dim=4), 10)
+    model = build_model(ModelConfig(embed_dim=4, hidden_dim=4, layers=1, dropout=0.0,
+                                    tie_embeddings=False, init_scale=0.0), 10)
     optimizer = keras.optimizers.SGD(0.1)
     optimizer.build(model.trainable_variables)
 batch = {"inputs": tf.constant([[2, 5, 6], [2, 7, 0], [2, 8, 9]]),
