@@ -6,6 +6,7 @@ layer), so it moves too."""
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from conftest import PINNED, assert_resumed_from, resumed_steps
 from tfpar.tools.cli import train_main
@@ -141,3 +142,29 @@ def test_a_checkpoint_moves_into_and_out_of_a_multi_worker_job(tiny_corpus_dir, 
     want, got = still("stream", 74), weights(tmp_path / "moved")  # 74 == LONGEST["stream"]
     assert got.keys() == want.keys()
     assert worst_difference(got, want) <= 1e-5
+
+
+def test_every_weight_is_stored_once(tmp_path):
+    """The checkpoint reaches each weight by two paths ("layers/<path>" and Keras'
+    "model/..." tracking); TensorFlow writes a variable reachable several ways once, under
+    the first path: no key names a model weight twice, and the data file holds each
+    variable's bytes once (a file twice the size would mean a second copy)."""
+    import contextlib
+
+    import keras
+
+    from conftest import model_config
+    from tfpar.training.state import build_train_state
+
+    state = build_train_state(contextlib.nullcontext(), model_config(embed_dim=8, hidden_dim=8),
+                              50, seed=0,
+                              make_optimizer=lambda epoch, scale: keras.optimizers.Adam())
+    path = tf.train.Checkpoint(**state.trackables()).write(str(tmp_path / "ckpt"))
+    keys = [name for name, _ in tf.train.list_variables(path)]
+    weights = [k for k in keys if k.startswith("layers/")]
+    assert len(weights) == len(state.model.weights)
+    assert not [k for k in keys if k.startswith("model/") and "VARIABLE_VALUE" in k]
+    stored = sum(np.asarray(v).nbytes for v in state.variables())
+    graph = len(tf.train.load_checkpoint(path).get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
+    data = sum(f.stat().st_size for f in tmp_path.glob("ckpt.data-*"))
+    assert stored <= data - graph < stored + 256  # + the selection's scalars

@@ -6,8 +6,10 @@ strategy's scope, so the variables land where the strategy wants them. A checkpo
 
     layers/<path>         every model weight, under its Keras path below the model with
                           "/" -> ":" (e.g. layers/rnn_0:lstm_cell:kernel)
-    model/...             the same weights again, as Keras tracks them (older tools
-                          restore ``tf.train.Checkpoint(model=...)``)
+    model/...             the same variables as Keras tracks them (tools that restore
+                          ``tf.train.Checkpoint(model=...)``): object-graph entries
+                          only, each value is written once, under layers/ (the first
+                          path TF's walk finds; tests/test_portable_checkpoints.py)
     moments/<slot>        the optimizer's slots, named by Keras (Adam's
                           rnn_0_lstm_cell_kernel_momentum and ..._velocity; SGD's momentum)
     optimizer/...         the optimizer's step count (and its slots again)
