@@ -741,7 +741,7 @@ def test_fused_softmax_flags_reach_the_model_config():
     assert (model.fused_softmax, model.softmax_block_sizes()) == (False, (64, 512))
     model = config_from_args(train_parser().parse_args([])).model
     assert (model.fused_softmax, model.softmax_block_sizes()) == (
-        False, cfg.DEFAULT_SOFTMAX_BLOCKS)
+        True, cfg.DEFAULT_SOFTMAX_BLOCKS)  # the default
     assert config_from_args(train_parser().parse_args(["--fused-softmax"])).model.fused_softmax
 
 

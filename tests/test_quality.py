@@ -26,8 +26,9 @@ TRAIN_LINES = 10_000
 # in the suite (the suite's 4 logical devices and thread settings): the same math, but
 # a 300-step run of SGD at lr 20 is still leaving the unigram plateau, where last-bit
 # differences grow. The bounds leave room for that; the regressed stream pipeline gave
-# STREAM_REGRESSED.
-BOUNDS = {"stream": ((476.22, 547.62), 650.0), "sentence": ((442.33, 443.91), 475.0)}
+# STREAM_REGRESSED. (With --no-fused-softmax, the default until 2026-12-04: stream
+# 476.22 / 547.62, sentence 442.33 / 443.91.)
+BOUNDS = {"stream": ((445.37, 510.89), 650.0), "sentence": ((437.45, 438.03), 475.0)}
 # Sentence mode without joining the buckets' partial batches (fill_partial_batches) gave
 # SENTENCE_UNFILLED.
 SENTENCE_UNFILLED = 495.92

@@ -235,9 +235,8 @@ class ModelConfig:
     # How the full softmax's loss is computed (training, evaluation, score): True block by
     # block from the hidden states, each block's logits in cache and never all [N, V] of
     # them (tfpar.objective.fused); False: the logits, then the cross-entropy (the
-    # unfused path). The same weights and loss either way. Off by default until the
-    # fused path's two-seed quality check and the README's figures are re-run with it.
-    fused_softmax: bool = False
+    # unfused path, kept for comparison). The same weights and loss either way.
+    fused_softmax: bool = True
     # The fused loss's largest block of logits, "ROWSxCOLUMNS" (tokens x vocabulary
     # entries, e.g. "512x16384"); None: DEFAULT_SOFTMAX_BLOCKS.
     softmax_blocks: str | None = None

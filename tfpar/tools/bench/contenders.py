@@ -179,12 +179,12 @@ PROBE_MODEL = {"layers": 1, "embed_dim": 16, "hidden_dim": 16}
 
 
 def build_tfpar(setup: Setup, name: str, dist, *, precision: str | None = None,
-                steps_per_execution: int = 1, probe: bool = False, fused: bool = False
+                steps_per_execution: int = 1, probe: bool = False, fused: bool = True
                 ) -> tuple[Contender, Any]:
     """A tfpar contender under the plug-in ``dist`` names (clip 5, tfpar's default), and
     the plug-in; ``precision`` overrides the spec's, ``steps_per_execution > 1`` makes a
     :class:`MultiStepContender`, ``probe`` trains :data:`PROBE_MODEL` instead, ``fused``
-    True computes the full softmax block by block (``--fused-softmax``)."""
+    False computes the logits, then the cross-entropy (``--no-fused-softmax``)."""
     from tfpar.parallel.registry import build_strategy
     from tfpar.training.state import build_train_state
 
@@ -243,7 +243,8 @@ def distribution_configs() -> dict[str, Any]:
 
 
 # The same step with one thing changed, on no strategy: the other precision, ten steps
-# per call, the fused full softmax. name -> keyword arguments of build_tfpar.
+# per call, the unfused full softmax (--no-fused-softmax). name -> keyword arguments of
+# build_tfpar.
 SPE = 10
 
 
@@ -251,7 +252,7 @@ def variant_configs(spec: BenchSpec) -> dict[str, dict[str, Any]]:
     other = "bf16" if spec.precision == "fp32" else "fp32"
     return {f"default_{other}": {"precision": other},
             f"default_spe{SPE}": {"steps_per_execution": SPE},
-            "default_fused": {"fused": True}}
+            "default_unfused": {"fused": False}}
 
 
 def build_available(setup: Setup, names: Sequence[str], warmup: int

@@ -274,8 +274,8 @@ def output_layer_figures(results: dict[str, Any]) -> dict[str, Any]:
                 name = f"{part.replace('softmax', 'output_layer')}_{precision}_{mode}"
                 out[f"{name}_fraction_of_limit"] = row[part]["fraction"]
     rate = results["side_by_side_tokens_per_sec"]
-    if "default_fused" in rate:
-        out["fused_vs_unfused"] = rate["default_fused"] / rate["default"]
+    if "default_unfused" in rate:
+        out["fused_vs_unfused"] = rate["default"] / rate["default_unfused"]
     return out
 
 

@@ -84,7 +84,7 @@ def format_report(results: dict[str, Any]) -> str:
         lines.append("output layer, fraction of its matmul limit: " + ", ".join(
             f"{name.removeprefix('output_layer_')} {v:.3f}" for name, v in fractions.items()))
     if "fused_vs_unfused" in results:
-        lines.append(f"default step with the fused output layer (--fused-softmax) vs without "
+        lines.append(f"default step (the fused output layer) vs with --no-fused-softmax "
                      f"(side by side): "
                      f"{results['fused_vs_unfused']:.3f}")
     if "bf16_vs_fp32" in results:

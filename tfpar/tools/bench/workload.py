@@ -65,9 +65,9 @@ def load_setup(spec: BenchSpec, *, vocab_file: str | None = None) -> Setup:
     return Setup(spec, corpus.name, note, corpus.splits, vocab, stream, sentence)
 
 
-def model_config(spec: BenchSpec, precision: str | None = None, *, fused: bool = False):
-    """The benchmark's model (``precision`` overrides the spec's; ``fused``: the fused
-    full softmax, ``--fused-softmax``)."""
+def model_config(spec: BenchSpec, precision: str | None = None, *, fused: bool = True):
+    """The benchmark's model (``precision`` overrides the spec's; ``fused`` False: the
+    logits, then the cross-entropy, ``--no-fused-softmax``)."""
     from tfpar.config import ModelConfig
 
     return ModelConfig(layers=spec.layers, embed_dim=spec.embed_dim, hidden_dim=spec.hidden_dim,
