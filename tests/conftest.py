@@ -274,9 +274,12 @@ def assert_replicas_placed(ops, devices):
         assert len(mine) > 100 and len(backward) > 20, i
         assert {d for _, d in mine} == {device}, i  # Forward and gradients.
         kinds = {n.op for n, _ in mine}
-        # The loss kernel: TF's fused one, or its log-softmax form once an earlier run in
-        # this process has enabled op determinism (a process-wide TF setting).
-        assert "MatMul" in kinds and kinds & {"SparseSoftmaxCrossEntropyWithLogits",
+        # The loss kernel: the fused output layer's (the logits' gradient, its row sums
+        # subtracted at the targets), or with --no-fused-softmax TF's cross-entropy kernel
+        # or its log-softmax form once an earlier run in this process has enabled op
+        # determinism (a process-wide TF setting).
+        assert "MatMul" in kinds and kinds & {"TensorScatterSub",
+                                              "SparseSoftmaxCrossEntropyWithLogits",
                                               "LogSoftmax"}, i
 
 

@@ -107,7 +107,10 @@ def test_sigkill_then_resume_ends_with_the_same_parameters(point, reference, tmp
         if point == "after-step-4":
             wait_for(has_checkpoint(model_dir, 4), proc)
         elif point == "while-checkpointing":
-            wait_for(writing_checkpoint(model_dir, 6), proc, interval=0)
+            # A write's temporary files live ~5 ms: a poll that sleeps 0.5 ms between looks
+            # wakes ahead of busy processes, where a spinning one loses its turn on a loaded
+            # host (beside two CPU hogs: 4 kills in 6 inside the write, against 6 in 6).
+            wait_for(writing_checkpoint(model_dir, 6), proc, interval=0.0005)
         else:
             wait_for(exporting(export_dir), proc)
         proc.send_signal(signal.SIGKILL)
