@@ -141,6 +141,34 @@ def test_the_update_is_written_once(words):
     assert owners == ["tfpar.objective.step"]
 
 
+def calls_of(attribute: str) -> list[str]:
+    """The modules whose code (docstrings and comments aside) calls ``<x>.attribute(...)``,
+    once per call."""
+    found = []
+    for name, path in sorted(all_modules().items()):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr == attribute:
+                found.append(name)
+    return found
+
+
+def test_the_optimizer_is_called_once_in_the_package():
+    """Every synchronous plug-in places the update (``run_update``); the one
+    ``apply_gradients`` call is the step's (the parameter server's asynchronous update
+    assigns its own, Keras 3 having no parameter-server optimizer)."""
+    assert calls_of("apply_gradients") == ["tfpar.objective.step"]
+
+
+def test_the_call_finder_sees_a_second_call(tmp_path, monkeypatch):
+    extra = tmp_path / "extra.py"
+    extra.write_text("def f(o, g):\n    o.apply_gradients(g)\n")
+    monkeypatch.setitem(globals(), "all_modules",
+                        lambda: {"tfpar.objective.step": PACKAGE / "objective" / "step.py",
+                                 "tfpar.parallel.extra": extra})
+    assert calls_of("apply_gradients") == ["tfpar.objective.step", "tfpar.parallel.extra"]
+
+
 def test_the_registry_has_every_strategy_and_refuses_async_for_a_sync_step():
     from tfpar.config import DistConfig
     from tfpar.errors import ConfigError

@@ -37,7 +37,7 @@ class Noise:
     Args:
       seed: the model's seed.
       step: returns the current step (int scalar tensor); the train step sets it to the
-        optimizer's iteration count (``tfpar.objective.step.make_train_step``). Until then
+        optimizer's iteration count (``tfpar.objective.step.key_noise_by_step``). Until then
         it is 0.
     """
 

@@ -25,11 +25,13 @@ what one device clips by, and a non-finite norm skips the whole update (weights,
 slots and the step counter stay bit-identical), so a bad batch never reaches the weights
 under any strategy; the loop then stops or goes on, per ``--on-nan``.
 
-A strategy plug-in (``tfpar.parallel.base.StrategyPlugin``) offers three methods that
+A strategy plug-in (``tfpar.parallel.base.StrategyPlugin``) offers the methods that
 :func:`make_train_step` and :func:`make_eval_step` compose:
 
 * ``gradients(model, batch, state) -> Aggregated``: placement + aggregation;
-* ``apply(optimizer, variables, grads, factor)``: applies ``factor * grads`` once;
+* ``run_update(optimizer, update, grads)``: runs the step's update (:func:`apply_scaled`,
+  ``factor * grads`` applied once) where the plug-in's update belongs, and
+  ``place_update(variable)``, where each gradient is scaled;
 * ``losses(model, batch, state) -> (nll_sum, count, state)``: placement for evaluation.
 """
 
@@ -304,7 +306,8 @@ def update(norm: tf.Tensor, nll_sum: tf.Tensor, clip_norm: float,
       norm: global norm of the aggregated (scaled) gradient.
       nll_sum: the batch's summed loss (all replicas).
       clip_norm: ``--clip-norm`` (0: no clipping).
-      apply: applies ``factor * gradient`` once (the strategy's ``apply``).
+      apply: applies ``factor * gradient`` once (the plug-in's ``run_update`` of
+        :func:`apply_scaled`).
       loss_scale: the loss scale, or None without loss scaling.
 
     Returns:
@@ -326,7 +329,7 @@ def update(norm: tf.Tensor, nll_sum: tf.Tensor, clip_norm: float,
 
     # The condition sits outside any replica context: under tf.distribute a
     # synchronisation point (the optimizer's all-reduce) may not live in replica control
-    # flow, so the strategy's apply calls strategy.run inside this branch.
+    # flow, so the plug-in's run_update calls strategy.run inside this branch.
     finite = tf.logical_and(tf.math.is_finite(norm), tf.math.is_finite(nll_sum))
     if loss_scale is None:
         return tf.cond(finite, applied, not_applied)
@@ -335,12 +338,30 @@ def update(norm: tf.Tensor, nll_sum: tf.Tensor, clip_norm: float,
     return tf.cond(finite, applied, lambda: tf.cond(overflow, scale_skip, not_applied))
 
 
+def apply_scaled(optimizer, variables, grads, factor: tf.Tensor,
+                 place: Callable[[Any], Any] | None = None) -> None:
+    """The update of every synchronous step: ``factor * grads`` applied by ``optimizer``
+    once (the only ``apply_gradients`` of the synchronous path).
+
+    Args:
+      optimizer: the Keras optimizer (or its ``LossScaleOptimizer``).
+      variables: the trainable variables, in ``grads``' order.
+      grads: one gradient per variable (dense, or a deduplicated ``tf.IndexedSlices``).
+      factor: float32 scalar, the clip factor (NaN: a loss-scale skip, see :func:`update`).
+      place: ``place(variable)``, the context each gradient is scaled in (the plug-in's
+        ``place_update``); None: where this is called.
+    """
+    scaled = []
+    for g, v in zip(grads, variables):
+        with place(v) if place is not None else contextlib.nullcontext():
+            scaled.append(scale(g, factor))
+    optimizer.apply_gradients(zip(scaled, variables))
+
+
 def one_update(plugin, model, optimizer, *, clip_norm: float):
     """``update(batch, state) -> Aggregated``: the body of every train step (traced into
     :func:`make_train_step`'s function once, or into :func:`make_train_steps`' loop)."""
-    # Dropout masks are keyed by the optimizer's step (tfpar.model.noise): the same on
-    # every replica, and a resumed run draws what an uninterrupted one did.
-    model.noise.step = lambda: optimizer.iterations
+    key_noise_by_step(model, optimizer)
     scale = use_loss_scaling(model, optimizer)
 
     def one(batch, state):
@@ -350,14 +371,25 @@ def one_update(plugin, model, optimizer, *, clip_norm: float):
         # --steps-per-execution runs the same kernels.
         with xla.compile_any_shape() if model.fixed_shapes else contextlib.nullcontext():
             agg = plugin.gradients(model, batch, state)
+        variables = model.trainable_variables
         update(agg.norm, agg.nll_sum, clip_norm,
-               lambda factor: plugin.apply(optimizer, model.trainable_variables, agg.grads,
-                                           factor), loss_scale=scale)
+               lambda factor: plugin.run_update(
+                   optimizer, lambda grads: apply_scaled(optimizer, variables, grads, factor,
+                                                         plugin.place_update), agg.grads),
+               loss_scale=scale)
         if scale is not None:  # reported: the norm of the true gradient
             agg = dataclasses.replace(agg, norm=agg.norm / scale)
         return agg
 
     return one
+
+
+def key_noise_by_step(model, optimizer) -> None:
+    """Keys the model's dropout masks and sampled-softmax candidates by the optimizer's
+    step (``tfpar.model.noise``): the same on every replica and worker, and a resumed run
+    draws what an uninterrupted one did. Every train step (synchronous or the parameter
+    server's) sets it here."""
+    model.noise.step = lambda: optimizer.iterations
 
 
 def use_loss_scaling(model, optimizer):

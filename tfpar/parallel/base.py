@@ -7,7 +7,9 @@ step computes is written once, in ``tfpar.objective.step``. A plug-in owns:
 * turning a dataset function into the batches its steps take (``distribute``);
 * ``gradients``: each replica's :func:`~tfpar.objective.step.replica_gradients` on its
   rows, placed on its device, and their sum (the aggregation);
-* ``apply``: the aggregated gradient times the clip factor, applied once;
+* ``run_update``: where the one update runs (``place_update``: where each weight's
+  gradient is scaled by the clip factor); the update itself, the clip factor times the
+  aggregated gradient applied by the optimizer once, is the step's;
 * ``losses``: each replica's forward pass on its rows, summed (evaluation).
 
 The clip, the finite guard and the step function are not a plug-in's business:
@@ -85,9 +87,17 @@ class StrategyPlugin(abc.ABC):
             (stream mode), or None.
         """
 
-    @abc.abstractmethod
-    def apply(self, optimizer, variables, grads, factor: tf.Tensor) -> None:
-        """Applies ``factor * grads`` (``grads`` from :meth:`gradients`) once."""
+    def run_update(self, optimizer, update: Callable[[object], None], grads) -> None:
+        """Runs ``update(grads)`` (``grads`` from :meth:`gradients`; ``update`` is the
+        step's :func:`~tfpar.objective.step.apply_scaled`) where this plug-in's one
+        update belongs; ``optimizer`` is the one that applies it. Default: where the
+        step runs."""
+        update(grads)
+
+    def place_update(self, variable) -> contextlib.AbstractContextManager:
+        """Where ``variable``'s gradient is scaled by the clip factor before the update
+        (default: where :meth:`run_update` runs it)."""
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def losses(self, model, batch, state) -> tuple:

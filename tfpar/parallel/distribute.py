@@ -85,13 +85,11 @@ class DistributePlugin(StrategyPlugin):
         return step.Aggregated(grads=grads, norm=self._local(norm), nll_sum=self._sum(nll),
                                count=self._sum(count), state=final)
 
-    def apply(self, optimizer, variables, grads, factor):
+    def run_update(self, optimizer, update, grads):
+        """On every replica (the optimizer's update of a mirrored variable), told that
+        the gradients it gets are summed already."""
         summed_already(optimizer)
-
-        def replica(grads):
-            optimizer.apply_gradients(zip([step.scale(g, factor) for g in grads], variables))
-
-        self.strategy.run(replica, args=(grads,))
+        self.strategy.run(update, args=(grads,))
 
     def losses(self, model, batch, state):
         nll, count, final = self.strategy.run(

@@ -93,11 +93,11 @@ class ParallelDo(StrategyPlugin):
             return step.Aggregated(total, tf.linalg.global_norm(total), tf.add_n(nlls),
                                    tf.add_n(counts), self.merge_states(finals, sizes))
 
-    def apply(self, optimizer, variables, grads, factor):
+    def run_update(self, optimizer, update, grads):
         """Once, on the variable device; the Keras optimizer, used outside any
         ``tf.distribute`` strategy, all-reduces nothing."""
         with tf.device(self.variable_device), tf.name_scope("update"):
-            optimizer.apply_gradients(zip([step.scale(g, factor) for g in grads], variables))
+            update(grads)
 
     def losses(self, model, batch, state):
         outs, sizes = self.run(

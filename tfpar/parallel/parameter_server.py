@@ -298,9 +298,9 @@ class Coordinator:
                  ", ".join(sharded) or "none (tables are partitioned into shards of >= %d KiB)"
                  % (MIN_SHARD_BYTES >> 10))
 
-        # Dropout masks and sampled-softmax candidates are keyed by the step (as in
-        # step.one_update): the count on the ps when a worker starts its step.
-        model.noise.step = lambda: optimizer.iterations
+        # The step that keys dropout and the candidates: the count on the ps when a
+        # worker starts its step.
+        step.key_noise_by_step(model, optimizer)
 
         def replica_step(batch):
             grads, nll_sum, count = loss_and_grads(model, batch)

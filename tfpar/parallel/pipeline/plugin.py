@@ -51,6 +51,7 @@ overlap can be read off a TensorBoard trace (``--profile-steps``: the trace view
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -216,18 +217,17 @@ class PipelinePlugin(StrategyPlugin):
                                count=self._sum_last(outs, "count"),
                                state=self._join_state(model, outs, mbs, detach=True))
 
-    def apply(self, optimizer, variables, grads, factor):
-        """Each stage scales its own weights' gradients; every update runs where its
-        weight lives."""
-        owner = self._owner
-        scaled = list(grads)
-        for s in self.stages:
-            with tf.device(s.device), tf.name_scope(f"{s.scope}/clip"):
-                for i, v in enumerate(variables):
-                    if owner[id(v)] == s.index:
-                        scaled[i] = step.scale(grads[i], factor)
-        with tf.name_scope("update"):  # TF runs each update where its weight lives.
-            optimizer.apply_gradients(zip(scaled, variables))
+    def run_update(self, optimizer, update, grads):
+        """TF runs each weight's update where the weight lives."""
+        with tf.name_scope("update"):
+            update(grads)
+
+    @contextlib.contextmanager
+    def place_update(self, variable):
+        """A weight's gradient is scaled on its own stage."""
+        stage = self.stages[self._owner[id(variable)]]
+        with tf.device(stage.device), tf.name_scope(f"{stage.scope}/clip"):
+            yield
 
     def losses(self, model, batch, state):
         self.bind(model)
