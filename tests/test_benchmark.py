@@ -363,7 +363,7 @@ def test_a_contender_that_fails_to_build_fails_the_run(monkeypatch, capsys, tmp_
     monkeypatch.setattr(contenders, "build_tfpar", build)
     monkeypatch.setattr(measure, "ContenderServer", NoChild)
     path = tmp_path / "b.json"
-    assert main(["--tiny", "--json", str(path)]) == 1
+    assert main(["--quick", "--tiny", "--json", str(path)]) == 1
     out, err = capsys.readouterr()
     assert "PASS tfpar_vs_keras_baseline" in out or "FAIL tfpar_vs_keras_baseline" in out
     assert [line for line in err.splitlines() if line.startswith("error:")] == [
