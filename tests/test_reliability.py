@@ -47,8 +47,10 @@ def start(args):
     return start_train(args)
 
 
-def wait_for(predicate, proc, timeout=180.0, interval=0.02):
-    """Polls ``predicate`` until true; fails if the process ends first or time runs out."""
+def wait_for(predicate, proc, timeout=600.0, interval=0.02):
+    """Polls ``predicate`` until true; fails if the process ends first or time runs out
+    (a deadline for a hung run, not a speed check: a clean-clone run beside another test
+    session once took over 180 s to reach a kill point these runs reach in 10-60 s)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

@@ -107,11 +107,17 @@ def test_a_url_without_a_file_system_is_refused_before_training(flag, tiny_args,
 
 # ----------------------------------------------------------------------------- the lock
 def write_ram_lock(root, pid, host, *, beat_age):
-    if tf.io.gfile.exists(f"{root}/LOCK"):
-        tf.io.gfile.remove(f"{root}/LOCK")  # ram://'s "w" appends to an existing file
-    with tf.io.gfile.GFile(f"{root}/LOCK", "w") as f:
+    """Another run's lock, put in place as a run does it: written aside, then renamed over
+    LOCK (a remove and a write would race a holder's heartbeat: its rename could land
+    between them, and ram://'s "w" appends to an existing file)."""
+    tmp = f"{root}/.other-{uuid.uuid4().hex}.tmp"
+    with tf.io.gfile.GFile(tmp, "w") as f:
         f.write(json.dumps({"pid": pid, "host": host, "process": "another-process",
                             "token": "theirs", "beat": time.time() - beat_age}))
+    RENAME(tmp, f"{root}/LOCK", overwrite=True)
+
+
+RENAME = tf.io.gfile.rename  # the real one, where a test patches tf.io.gfile.rename
 
 
 def test_a_held_ram_lock_refuses_a_second_writer_until_released(ram_root):
@@ -169,6 +175,49 @@ def test_the_ram_lock_holder_renews_its_lease_and_notices_when_it_lost_the_lock(
         lock.release()
     # Released without deleting the other run's lock.
     assert json.loads(tf.io.gfile.GFile(f"{ram_root}/LOCK").read())["pid"] == 4242
+
+
+def test_a_ram_lock_holder_waits_out_a_torn_lock_then_says_it_was_removed(
+        ram_root, caplog, monkeypatch):
+    """A missing or unreadable lock is read again for UNREADABLE_BEATS heartbeats (a
+    takeover that removes and writes leaves it so for a moment) before the holder says it
+    lost the lock: then to whom, or that it was removed."""
+    lock = WriterLock(ram_root, heartbeat=0.05)
+    lock.acquire()
+    read, torn = WriterLock._read, []
+
+    def torn_reads_first(self):  # the next UNREADABLE_BEATS reads find a torn lock
+        if torn:
+            torn.pop()
+            return {}
+        return read(self)
+
+    monkeypatch.setattr(WriterLock, "_read", torn_reads_first)
+    try:
+        torn.extend([None] * checkpoints.UNREADABLE_BEATS)
+        write_ram_lock(ram_root, 4242, "node-b", beat_age=0)
+        deadline = time.monotonic() + 30
+        with caplog.at_level("ERROR", logger="tfpar"):
+            while "lost the lock" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert not torn
+        assert f"lost the lock {ram_root}/LOCK to pid 4242 on node-b" in caplog.text
+    finally:
+        lock.release()
+
+    lock = WriterLock(ram_root + "-removed", heartbeat=0.05)
+    lock.acquire()
+    try:
+        tf.io.gfile.remove(f"{ram_root}-removed/LOCK")
+        deadline = time.monotonic() + 30
+        with caplog.at_level("ERROR", logger="tfpar"):
+            while "was removed" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert (f"lost the lock {ram_root}-removed/LOCK: it was removed or cannot be read "
+                f"for {checkpoints.UNREADABLE_BEATS + 1} heartbeats; another run may write "
+                f"to --model-dir {ram_root}-removed; stop one of them") in caplog.text
+    finally:
+        lock.release()
 
 
 def test_a_ram_lock_is_held_only_if_it_reads_back_its_own_token(ram_root, monkeypatch):

@@ -181,6 +181,11 @@ def warn_on_exactness_change(stored: Config, config: Config) -> None:
 _INCARNATION = uuid.uuid4().hex
 
 
+# Heartbeats a URL lock's holder waits for a missing or unreadable lock to read again
+# before it counts the lock as lost.
+UNREADABLE_BEATS = 2
+
+
 class WriterLock:
     """One writer per model dir: ``<model_dir>/LOCK`` holds the writer's pid, host and a
     token of its process, and the holder renews it every ``heartbeat`` seconds (a lease).
@@ -307,16 +312,29 @@ class WriterLock:
     def _keep_alive(self) -> None:
         """Renews the lease until released: the lock's mtime on a local disk; on a URL a
         rewrite with the beat's time, while the lock still holds this run's token."""
+        unreadable = 0
         while not self._stop.wait(self.heartbeat):
             if self.local:
                 with contextlib.suppress(OSError):
                     os.utime(self.path)
                 continue
             holder = self._read()
+            if not holder and unreadable < UNREADABLE_BEATS:
+                # Missing or torn: a takeover may be under way (a write that is not a
+                # rename leaves the file absent or half-written for a moment); the next
+                # beat reads who holds it. The lease is not renewed meanwhile.
+                unreadable += 1
+                continue
+            unreadable = 0
             if holder.get("token") != self._me["token"]:
-                log.error("lost the lock %s to pid %s on %s: another run writes to --model-dir "
-                          "%s too; stop one of them", self.path, holder.get("pid"),
-                          holder.get("host"), self.model_dir)
+                if holder:
+                    log.error("lost the lock %s to pid %s on %s: another run writes to "
+                              "--model-dir %s too; stop one of them", self.path,
+                              holder.get("pid"), holder.get("host"), self.model_dir)
+                else:
+                    log.error("lost the lock %s: it was removed or cannot be read for %d "
+                              "heartbeats; another run may write to --model-dir %s; stop "
+                              "one of them", self.path, UNREADABLE_BEATS + 1, self.model_dir)
                 return
             self._me["beat"] = time.time()
             with contextlib.suppress(ConfigError, tf.errors.OpError):
