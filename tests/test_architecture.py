@@ -141,16 +141,24 @@ def test_the_update_is_written_once(words):
     assert owners == ["tfpar.objective.step"]
 
 
-def calls_of(attribute: str) -> list[str]:
-    """The modules whose code (docstrings and comments aside) calls ``<x>.attribute(...)``,
-    once per call."""
+def calls_of(name: str, modules: dict | None = None) -> list[str]:
+    """The modules (default: the whole package) whose code, docstrings and comments
+    aside, calls ``name(...)`` or ``<x>.name(...)``, once per call."""
     found = []
-    for name, path in sorted(all_modules().items()):
+    for module, path in sorted((all_modules() if modules is None else modules).items()):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                    and node.func.attr == attribute:
-                found.append(name)
+            if isinstance(node, ast.Call) and name in (getattr(node.func, "attr", None),
+                                                        getattr(node.func, "id", None)):
+                found.append(module)
     return found
+
+
+def synchronous_path() -> dict:
+    """The step and the synchronous plug-ins (the parameter server's asynchronous update
+    and verify's independent reference aside)."""
+    return {name: path for name, path in all_modules().items()
+            if name == "tfpar.objective.step" or (name.startswith("tfpar.parallel.")
+            and not name.startswith(("tfpar.parallel.cluster", "tfpar.parallel.parameter_server")))}
 
 
 def test_the_optimizer_is_called_once_in_the_package():
@@ -160,13 +168,27 @@ def test_the_optimizer_is_called_once_in_the_package():
     assert calls_of("apply_gradients") == ["tfpar.objective.step"]
 
 
+@pytest.mark.parametrize("name", ["token_count", "add_gradients"])
+def test_the_count_and_the_gradient_sum_are_the_steps(name):
+    """The global token count and the sum of the replicas' gradients are computed once,
+    in the step (``aggregate``; ``combine_gradients``' ``add_gradients``): a plug-in
+    replicates the count's function and runs the sum where it sums, and calls neither
+    itself; nothing in the synchronous path all-reduces in a replica context (the
+    plug-in sums the step's values)."""
+    assert "tfpar.parallel.distribute" in synchronous_path()
+    assert calls_of(name, synchronous_path()) == ["tfpar.objective.step"]
+    assert calls_of("all_reduce", synchronous_path()) == []
+
+
 def test_the_call_finder_sees_a_second_call(tmp_path, monkeypatch):
     extra = tmp_path / "extra.py"
-    extra.write_text("def f(o, g):\n    o.apply_gradients(g)\n")
+    extra.write_text("def f(o, g, b):\n    o.apply_gradients(g)\n    return token_count(b)\n")
     monkeypatch.setitem(globals(), "all_modules",
                         lambda: {"tfpar.objective.step": PACKAGE / "objective" / "step.py",
                                  "tfpar.parallel.extra": extra})
     assert calls_of("apply_gradients") == ["tfpar.objective.step", "tfpar.parallel.extra"]
+    assert calls_of("token_count", synchronous_path()) == ["tfpar.objective.step",
+                                                           "tfpar.parallel.extra"]
 
 
 def test_the_registry_has_every_strategy_and_refuses_async_for_a_sync_step():

@@ -87,7 +87,6 @@ def test_the_optimizer_applies_the_summed_gradients_without_summing_again():
 
     from tfpar.parallel import distribute
 
-    assert distribute.SUM_ONCE  # Keras 3's TF optimizer sums in _all_reduce_sum_gradients
     optimizer = keras.optimizers.SGD(1.0)
     assert distribute.summed_already(optimizer) is optimizer
     pairs = [(tf.constant([1.0]), "v0"), (tf.constant([2.0]), "v1")]

@@ -247,8 +247,8 @@ class OffByOnePercent(ParallelDo):
     """parallel_do whose merged gradient (and so its norm) is 1.01 times the right one:
     the same update as the right one on every clipped step."""
 
-    def reduce_gradients(self, grads, variables):
-        return [1.01 * g for g in super().reduce_gradients(grads, variables)]
+    def sum_gradients(self, grads, variables, combine):
+        return [1.01 * g for g in super().sum_gradients(grads, variables, combine)]
 
 
 def test_verify_fails_a_gradient_off_by_one_percent(monkeypatch, tmp_path, capsys):

@@ -14,7 +14,7 @@ replica's rows run) and *aggregation* (how the replicas' gradients become one)::
 
 With ``--softmax sampled`` the embedding's and the softmax's gradients are
 ``tf.IndexedSlices`` (the rows a step touched) all the way: summed as gathers of rows
-(:func:`sum_gradients`), repeated rows summed once (:func:`deduplicate`) before the norm,
+(:func:`add_gradients`), repeated rows summed once (:func:`deduplicate`) before the norm,
 clipped by scaling their values (:func:`scale`) and applied sparsely by the optimizer; the
 candidates are drawn from (seed, step), the same on every replica (:func:`sampled_loss`).
 
@@ -25,14 +25,23 @@ what one device clips by, and a non-finite norm skips the whole update (weights,
 slots and the step counter stay bit-identical), so a bad batch never reaches the weights
 under any strategy; the loop then stops or goes on, per ``--on-nan``.
 
-A strategy plug-in (``tfpar.parallel.base.StrategyPlugin``) offers the methods that
-:func:`make_train_step` and :func:`make_eval_step` compose:
+A strategy plug-in (``tfpar.parallel.base.StrategyPlugin``) only places; this module
+composes (:func:`aggregate`, :func:`evaluate`, :func:`one_update`), so the token count, the
+gradient sum, the norm, the clip, the finite guard and the update are each written once
+here. The plug-in offers:
 
-* ``gradients(model, batch, state) -> Aggregated``: placement + aggregation;
+* ``replicate(fn, batch, state)``: ``fn(rows, state rows)`` on every replica's rows, on
+  its device, the outputs in the plug-in's per-replica form (``gradient_pieces`` and
+  ``loss_pieces``, by default ``replicate`` of :func:`replica_gradients` and
+  :func:`forward`, are where the pipeline's micro-batch schedule comes in instead);
+* ``sum(values, combine)`` / ``sum_gradients(grads, variables, combine)``: each value's
+  sum over the replicas, ``combine`` (this module's) run where the plug-in sums
+  (``tf.distribute``: its all-reduce, then ``combine`` on every replica's copy);
+* ``norm(grads, variables)``: where the global norm of the sum is taken;
+* ``join_states(finals)``: the replicas' final states as one carried state;
 * ``run_update(optimizer, update, grads)``: runs the step's update (:func:`apply_scaled`,
   ``factor * grads`` applied once) where the plug-in's update belongs, and
-  ``place_update(variable)``, where each gradient is scaled;
-* ``losses(model, batch, state) -> (nll_sum, count, state)``: placement for evaluation.
+  ``place_update(variable)``, where each gradient is scaled.
 """
 
 from __future__ import annotations
@@ -66,13 +75,12 @@ class StepOutput:
 
 @dataclasses.dataclass
 class Aggregated:
-    """A strategy's aggregated gradient, before the update.
+    """The summed gradient of one step, before the update (:func:`aggregate`).
 
-    ``grads`` is in the form the same strategy's ``apply`` takes: one tensor (or, with
-    the sampled softmax, deduplicated ``tf.IndexedSlices``) per trainable variable (tower,
-    pipeline), or per-replica values that the optimizer
-    all-reduces as it applies them (``tf.distribute``). ``norm`` is always the global norm
-    of the *summed* gradient.
+    ``grads`` is the sum over the replicas, one per trainable variable (dense, or with
+    the sampled softmax a deduplicated ``tf.IndexedSlices``), in the form the same
+    plug-in's ``run_update`` hands the update: tensors (hand-placed plug-ins), or every
+    replica's copy of the sum (``tf.distribute``). ``norm`` is its global norm.
     """
 
     grads: Any
@@ -232,21 +240,50 @@ def replica_gradients(model, batch: dict, global_count: tf.Tensor, state=None, *
 
 
 # -- gradients that may be tf.IndexedSlices: what every plug-in's aggregation and apply use
-def sum_gradients(parts: Sequence) -> Any:
+def add_gradients(parts: Sequence) -> Any:
     """The sum of one variable's gradients from several replicas (or micro-batches).
 
     Dense: ``tf.add_n``. ``tf.IndexedSlices``: their rows concatenated (what
     ``tf.distribute`` does with them: a gather, not a dense [V, D] sum), repeated rows
-    left to :func:`deduplicate`. Mixed: dense.
+    left to :func:`deduplicate`. Mixed (a tied embedding in the pipeline: the softmax's
+    dense gradient, the embedding's rows): the rows concatenated and made dense once,
+    plus the dense parts.
     """
     parts = list(parts)
-    if not any(isinstance(g, tf.IndexedSlices) for g in parts):
-        return tf.add_n(parts) if len(parts) > 1 else parts[0]
-    if all(isinstance(g, tf.IndexedSlices) for g in parts):
-        return tf.IndexedSlices(tf.concat([g.values for g in parts], 0),
-                                tf.concat([tf.cast(g.indices, tf.int64) for g in parts], 0),
-                                parts[0].dense_shape)
-    return tf.add_n([tf.convert_to_tensor(g) for g in parts])
+    sparse = [g for g in parts if isinstance(g, tf.IndexedSlices)]
+    dense = [g for g in parts if not isinstance(g, tf.IndexedSlices)]
+    if not sparse:
+        return tf.add_n(dense) if len(dense) > 1 else dense[0]
+    rows = tf.IndexedSlices(tf.concat([g.values for g in sparse], 0),
+                            tf.concat([tf.cast(g.indices, tf.int64) for g in sparse], 0),
+                            sparse[0].dense_shape)
+    if not dense:
+        return rows
+    return tf.add_n([tf.convert_to_tensor(rows)] + dense)
+
+
+def combine_gradients(model) -> Callable[[Sequence], Any]:
+    """``combine(parts)``: one variable's summed gradient, as the update takes it (the
+    one gradient sum of the synchronous step; plug-ins run it where they sum).
+
+    With the sampled softmax (:func:`sparse_gradients`) a ``tf.IndexedSlices`` keeps its
+    rows, each row once (:func:`deduplicate`); otherwise the sum is made dense (the
+    embedding's rows, once for all the parts)."""
+    sparse = sparse_gradients(model)
+
+    def combine(parts):
+        total = add_gradients(parts)
+        if sparse:
+            return deduplicate(total)
+        return tf.convert_to_tensor(total) if isinstance(total, tf.IndexedSlices) else total
+
+    return combine
+
+
+def add(parts: Sequence) -> tf.Tensor:
+    """``combine`` for scalars (losses, token counts): their sum."""
+    parts = list(parts)
+    return tf.add_n(parts) if len(parts) > 1 else parts[0]
 
 
 def deduplicate(grad):
@@ -358,6 +395,39 @@ def apply_scaled(optimizer, variables, grads, factor: tf.Tensor,
     optimizer.apply_gradients(zip(scaled, variables))
 
 
+def aggregate(plugin, model, batch, state) -> Aggregated:
+    """The gradient half of every synchronous step: token count, each replica's
+    gradients, their sum and its norm, placed by ``plugin``.
+
+    Args:
+      plugin: the strategy (its ``replicate``, ``gradient_pieces``, ``sum``,
+        ``sum_gradients``, ``norm`` and ``join_states``).
+      model: the model.
+      batch: what the plug-in's ``distribute`` yields: {"inputs", "targets"} [B, T].
+      state: the carried recurrent state in the plug-in's form, or None.
+
+    Returns:
+      :class:`Aggregated`: the summed gradients, their global norm, the summed loss, the
+      global token count and the final state (the plug-in's form).
+    """
+    with tf.name_scope("token_count"):  # the replicas' name scopes stay their gradients'
+        counts = plugin.replicate(lambda rows, _: losses.token_count(rows["targets"]),
+                                  batch, None)
+        count = plugin.sum(counts, add)
+    grads, nll, final = plugin.gradient_pieces(model, batch, state, tf.maximum(count, 1.0))
+    grads = plugin.sum_gradients(grads, model.trainable_variables, combine_gradients(model))
+    return Aggregated(grads=grads, norm=plugin.norm(grads, model.trainable_variables),
+                      nll_sum=plugin.sum(nll, add), count=count,
+                      state=plugin.join_states(final))
+
+
+def evaluate(plugin, model, batch, state) -> tuple[tf.Tensor, tf.Tensor, Any]:
+    """``(nll_sum, count, final_state)`` of the whole batch without gradients: each
+    replica's :func:`forward` (the plug-in's ``loss_pieces``), summed."""
+    nll, count, final = plugin.loss_pieces(model, batch, state)
+    return plugin.sum(nll, add), plugin.sum(count, add), plugin.join_states(final)
+
+
 def one_update(plugin, model, optimizer, *, clip_norm: float):
     """``update(batch, state) -> Aggregated``: the body of every train step (traced into
     :func:`make_train_step`'s function once, or into :func:`make_train_steps`' loop)."""
@@ -370,7 +440,7 @@ def one_update(plugin, model, optimizer, *, clip_norm: float):
         # multi-step loop's reads hide it), so every step of every strategy and of every
         # --steps-per-execution runs the same kernels.
         with xla.compile_any_shape() if model.fixed_shapes else contextlib.nullcontext():
-            agg = plugin.gradients(model, batch, state)
+            agg = aggregate(plugin, model, batch, state)
         variables = model.trainable_variables
         update(agg.norm, agg.nll_sum, clip_norm,
                lambda factor: plugin.run_update(
@@ -405,7 +475,7 @@ def make_train_step(plugin, model, optimizer, *, clip_norm: float):
     """``step(batch, state=None) -> StepOutput``: one update of ``model`` under ``plugin``.
 
     Args:
-      plugin: the strategy (``gradients`` and ``apply``, see the module docstring).
+      plugin: the strategy (its placement, see the module docstring).
       model: the model, built in the plug-in's scope.
       optimizer: the Keras optimizer, built in the same scope.
       clip_norm: clip the aggregated gradient to this global norm (0: no clipping).
@@ -506,7 +576,7 @@ def make_eval_step(plugin, model):
 
     @tf.function(reduce_retracing=True)
     def eval_step(batch, state=None):
-        nll_sum, count, final = plugin.losses(model, batch, state)
+        nll_sum, count, final = evaluate(plugin, model, batch, state)
         return dict(nll_sum=nll_sum, count=count, state=final)
 
     return as_step_output(eval_step)

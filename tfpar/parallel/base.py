@@ -1,38 +1,82 @@
 """The interface every synchronous strategy plug-in implements.
 
-A plug-in says *where* things run and *how* per-device gradients become one; what a
-step computes is written once, in ``tfpar.objective.step``. A plug-in owns:
+A plug-in says *where* things run; what a step computes is written once, in
+``tfpar.objective.step`` (the token count, each replica's gradients, their sum, the
+norm, the clip, the finite guard and the update). A plug-in owns:
 
 * its devices (or ``tf.distribute`` strategy) and the scope its variables are made in;
 * turning a dataset function into the batches its steps take (``distribute``);
-* ``gradients``: each replica's :func:`~tfpar.objective.step.replica_gradients` on its
-  rows, placed on its device, and their sum (the aggregation);
+* ``replicate``: a function run on each replica's rows, on its device;
+* ``sum`` / ``sum_gradients``: where (and by which all-reduce) the replicas' values are
+  summed, the step's ``combine`` run there; ``norm``: where the global norm is taken;
+  ``join_states``: the replicas' final states as one;
 * ``run_update``: where the one update runs (``place_update``: where each weight's
-  gradient is scaled by the clip factor); the update itself, the clip factor times the
-  aggregated gradient applied by the optimizer once, is the step's;
-* ``losses``: each replica's forward pass on its rows, summed (evaluation).
+  gradient is scaled by the clip factor).
 
-The clip, the finite guard and the step function are not a plug-in's business:
-:meth:`make_train_step` and :meth:`make_eval_step` are the one step of
-``tfpar.objective.step``. Asynchronous parameter-server training is not a plug-in: it
-has no synchronous update to offer (``tfpar.parallel.parameter_server``).
+The pipeline, whose replicas are micro-batches running through stages, brings its
+schedule in through ``gradient_pieces`` and ``loss_pieces`` (by default ``replicate`` of
+the step's replica functions). Asynchronous parameter-server training is not a plug-in:
+it has no synchronous update to offer (``tfpar.parallel.parameter_server``).
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Callable, Iterable
+import dataclasses
+from typing import Any, Callable, Iterable, Sequence
 
 import tensorflow as tf
 
 from tfpar.objective import step
-from tfpar.objective.step import Aggregated, StepOutput
+from tfpar.objective.step import StepOutput
 
 # dataset_fn(input_context) -> per-replica tf.data.Dataset; input_context is a
 # tf.distribute.InputContext, or None for plug-ins that split global batches themselves.
 DatasetFn = Callable[[tf.distribute.InputContext | None], tf.data.Dataset]
 TrainStep = Callable[..., StepOutput]
+Combine = Callable[[Sequence], Any]
+
+
+@dataclasses.dataclass
+class Parts:
+    """One value from every replica (or micro-batch) of a hand-placed plug-in, and where
+    their sum is taken: the per-replica form of ``parallel_do``, ``tower`` and
+    ``pipeline``. ``rows``: each part's real rows (a final state's, whose padding row of
+    a replica without rows is dropped when the states are joined)."""
+
+    values: list
+    device: str
+    scope: str
+    rows: list | None = None
+
+
+def parts_of(outputs: list, device: str, scope: str, rows: list | None = None):
+    """Replica outputs (one nested structure per replica) → the same structure with a
+    :class:`Parts` of every replica's value at each leaf."""
+    return tf.nest.map_structure(lambda *v: Parts(list(v), device, scope, rows), *outputs)
+
+
+def sum_parts(values, combine: Combine, scope: str | None = None):
+    """Each :class:`Parts` of ``values`` summed by ``combine`` on its device, in the name
+    scope ``scope`` (default: the part's own)."""
+    def one(p):
+        with tf.device(p.device), tf.name_scope(scope or p.scope):
+            return combine(p.values)
+    return tf.nest.map_structure(one, values)
+
+
+def join_parts(finals):
+    """Final states: each :class:`Parts` concatenated along the rows (a part beyond its
+    ``rows`` dropped); anything else is already joined."""
+    def one(p):
+        if not isinstance(p, Parts):
+            return p
+        if p.values[0] is None:
+            return None
+        with tf.device(p.device), tf.name_scope("join_state"):
+            return tf.concat([v[:n] for v, n in zip(p.values, p.rows)], 0)
+    return tf.nest.map_structure(one, finals)
 
 
 class StrategyPlugin(abc.ABC):
@@ -75,20 +119,53 @@ class StrategyPlugin(abc.ABC):
     def distribute(self, dataset_fn: DatasetFn) -> Iterable:
         """The batches of ``dataset_fn``, in the form this plug-in's steps take."""
 
-    # -- the step pieces (called while the one step is traced)
+    # -- placement (called while the one step, tfpar.objective.step, is traced)
     @abc.abstractmethod
-    def gradients(self, model, batch, state) -> Aggregated:
-        """Placement and aggregation of one training step's gradients.
+    def replicate(self, fn: Callable, batch, state) -> Any:
+        """``fn(rows, state_rows)`` on every replica's rows of ``batch`` (what
+        :meth:`distribute` yields: {"inputs", "targets"} [B, T] int32) and of ``state``
+        (the carried state in this plug-in's form, or None), each on its device.
 
-        Args:
-          model: the model (variables made in :meth:`scope`).
-          batch: what :meth:`distribute` yields: {"inputs", "targets"} [B, T] int32.
-          state: the recurrent state :meth:`gradients` returned for the previous window
-            (stream mode), or None.
+        Returns:
+          ``fn``'s output structure, every leaf in this plug-in's per-replica form (what
+          :meth:`sum` and :meth:`join_states` take).
         """
 
+    def sum(self, values, combine: Combine) -> Any:
+        """Each per-replica leaf of ``values`` summed over the replicas: ``combine(parts)``
+        (the step's) where this plug-in sums. Returns plain tensors. Default: each
+        :class:`Parts` on its device."""
+        return sum_parts(values, combine)
+
+    def sum_gradients(self, grads: list, variables: list, combine: Combine) -> list:
+        """The gradients (one per-replica value per trainable variable, in ``variables``'
+        order) summed over the replicas, in the form :meth:`run_update` hands the
+        update. Default: :meth:`sum`."""
+        return self.sum(grads, combine)
+
+    def norm(self, grads: list, variables: list) -> tf.Tensor:
+        """The global norm of :meth:`sum_gradients`' result."""
+        return tf.linalg.global_norm(grads)
+
+    def join_states(self, finals):
+        """The replicas' final states (per-replica form) as the carried state of this
+        plug-in (see :meth:`global_state`). Default: each :class:`Parts` concatenated."""
+        return join_parts(finals)
+
+    def gradient_pieces(self, model, batch, state, global_count: tf.Tensor):
+        """``(grads, nll_sum, final_state)`` in per-replica form: every replica's
+        :func:`~tfpar.objective.step.replica_gradients` of ``nll / global_count``."""
+        grads, nll, _, final = self.replicate(
+            lambda rows, s: step.replica_gradients(model, rows, global_count, s), batch, state)
+        return grads, nll, final
+
+    def loss_pieces(self, model, batch, state):
+        """``(nll_sum, count, final_state)`` in per-replica form, without gradients."""
+        return self.replicate(lambda rows, s: step.forward(model, rows, s, training=False),
+                              batch, state)
+
     def run_update(self, optimizer, update: Callable[[object], None], grads) -> None:
-        """Runs ``update(grads)`` (``grads`` from :meth:`gradients`; ``update`` is the
+        """Runs ``update(grads)`` (``grads`` from :meth:`sum_gradients`; ``update`` is the
         step's :func:`~tfpar.objective.step.apply_scaled`) where this plug-in's one
         update belongs; ``optimizer`` is the one that applies it. Default: where the
         step runs."""
@@ -98,10 +175,6 @@ class StrategyPlugin(abc.ABC):
         """Where ``variable``'s gradient is scaled by the clip factor before the update
         (default: where :meth:`run_update` runs it)."""
         return contextlib.nullcontext()
-
-    @abc.abstractmethod
-    def losses(self, model, batch, state) -> tuple:
-        """``(nll_sum, count, final_state)`` of the whole batch, without gradients."""
 
     # -- the carried recurrent state (stream mode) in a form every strategy shares
     def global_state(self, state):

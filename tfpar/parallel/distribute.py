@@ -1,25 +1,24 @@
 """Plug-ins built on ``tf.distribute``: default, one_device and mirrored.
 
 Placement: ``strategy.run`` runs a replica's share of the one step
-(``tfpar.objective.step``) on each replica's device. Aggregation: the real-token count
-is all-reduced before the gradients (every replica divides by the global count), then
-the gradients are all-reduced once: their sum gives the global norm (for the clip factor)
-and is what every replica's optimizer applies, told not to sum again (Keras 3's
-``apply_gradients`` all-reduces in a replica context by itself, which would be a second
-all-reduce of every gradient each step; see :func:`summed_already`). Sparse gradients
-(``tf.IndexedSlices``, the sampled softmax's) all-reduce as a gather of every replica's
-rows, then each replica sums repeated rows (``step.deduplicate``) before the norm.
+(``tfpar.objective.step``) on each replica's device. Sums: scalars (the token count, the
+loss) with ``strategy.reduce``; the gradients all-reduced once, by the strategy's
+cross-device ops, into a copy of the sum on every replica, which gives the global norm
+(for the clip factor) and is what every replica's optimizer applies, told not to sum
+again (Keras 3's ``apply_gradients`` all-reduces in a replica context by itself, which
+would be a second all-reduce of every gradient each step; see :func:`summed_already`).
+Sparse gradients (``tf.IndexedSlices``, the sampled softmax's) all-reduce as a gather of
+every replica's rows, then each replica sums repeated rows (the step's ``combine``)
+before the norm.
 """
 
 from __future__ import annotations
 
 import logging
 
-import keras
 import tensorflow as tf
 
 from tfpar.parallel import devices as devices_lib
-from tfpar.objective import losses, step
 from tfpar.config import DistConfig
 from tfpar.data.pipeline import shard_bounds, state_rows
 from tfpar.errors import ConfigError
@@ -58,43 +57,35 @@ class DistributePlugin(StrategyPlugin):
         """The first replica's copy of a value that is equal on every replica."""
         return self.strategy.experimental_local_results(value)[0]
 
-    def gradients(self, model, batch, state):
-        """The gradients of ``nll_sum / global_count`` summed over the replicas (every
-        replica holds the sum), and the global norm of that sum.
+    def replicate(self, fn, batch, state):
+        return self.strategy.run(fn, args=(batch, state))
+
+    def sum(self, values, combine):
+        """Scalars (losses, token counts): ``strategy.reduce``."""
+        return tf.nest.map_structure(lambda v: self.strategy.reduce(SUM, v, axis=None), values)
+
+    def sum_gradients(self, grads, variables, combine):
+        """One all-reduce of every gradient (the strategy's cross-device ops, as Keras'
+        optimizer would run it), then ``combine`` on each replica's copy of the sum.
 
         Summed here, once, because the clip factor needs the norm of the sum before the
         update (Keras 3's ``clipnorm`` would clip each replica before aggregation, which
-        is not what one device does); :meth:`apply` then keeps the optimizer from
-        summing again. Where that cannot be done (:data:`SUM_ONCE` False), each replica
-        keeps its own gradients and a copy is all-reduced for the norm.
-        """
+        is not what one device does); :meth:`run_update` then keeps the optimizer from
+        summing again."""
+        summed = self.strategy.extended.batch_reduce_to(SUM, [(g, g) for g in grads])
+        return self.strategy.run(lambda gs: [combine([g]) for g in gs], args=(summed,))
 
-        def replica(batch, state):
-            ctx = tf.distribute.get_replica_context()
-            global_count = ctx.all_reduce(SUM, losses.token_count(batch["targets"]))
-            grads, nll_sum, count, final = step.replica_gradients(
-                model, batch, global_count, state, training=True)
-            # tf.IndexedSlices (the sampled softmax's) are all-reduced as a gather of
-            # every replica's rows; the sum of repeated rows follows, on each replica.
-            summed = [step.deduplicate(g) for g in ctx.all_reduce(SUM, grads)]
-            if SUM_ONCE:
-                grads = summed
-            return grads, nll_sum, count, tf.linalg.global_norm(summed), final
+    def norm(self, grads, variables):
+        return tf.linalg.global_norm([self._local(g) for g in grads])
 
-        grads, nll, count, norm, final = self.strategy.run(replica, args=(batch, state))
-        return step.Aggregated(grads=grads, norm=self._local(norm), nll_sum=self._sum(nll),
-                               count=self._sum(count), state=final)
+    def join_states(self, finals):
+        return finals
 
     def run_update(self, optimizer, update, grads):
         """On every replica (the optimizer's update of a mirrored variable), told that
         the gradients it gets are summed already."""
         summed_already(optimizer)
         self.strategy.run(update, args=(grads,))
-
-    def losses(self, model, batch, state):
-        nll, count, final = self.strategy.run(
-            lambda b, s: step.forward(model, b, s, training=False), args=(batch, state))
-        return self._sum(nll), self._sum(count), final
 
     def global_state(self, state):
         if state is None or self.num_replicas == 1:
@@ -115,16 +106,6 @@ class DistributePlugin(StrategyPlugin):
 
         return self.strategy.experimental_distribute_values_from_function(rows)
 
-    def _sum(self, value):
-        return self.strategy.reduce(SUM, value, axis=None)
-
-
-# Keras 3's TensorFlow optimizer sums the gradients over the replicas in
-# ``_all_reduce_sum_gradients`` (called in ``apply`` in a replica context). When it has
-# it, tfpar's synchronous plug-ins hand it gradients already summed and switch that sum
-# off for the call; a Keras without it gets per-replica gradients, as before.
-SUM_ONCE = hasattr(keras.optimizers.Optimizer, "_all_reduce_sum_gradients")
-
 
 def _as_given(grads_and_vars):
     return list(grads_and_vars)
@@ -132,15 +113,19 @@ def _as_given(grads_and_vars):
 
 def summed_already(optimizer):
     """Makes ``optimizer.apply_gradients`` apply the gradients it is given as they are,
-    without all-reducing them over the replicas (tfpar hands it sums). Set on the
-    instance, once: the replicas of a MirroredStrategy trace ``apply`` on threads of
-    their own, at the same time. Returns the optimizer."""
-    if SUM_ONCE:
-        optimizer._all_reduce_sum_gradients = _as_given
+    without all-reducing them over the replicas (tfpar hands it sums): Keras 3's
+    TensorFlow optimizer sums them in ``_all_reduce_sum_gradients``, called in ``apply``
+    in a replica context. Set on the instance, once: the replicas of a MirroredStrategy
+    trace ``apply`` on threads of their own, at the same time. Returns the optimizer."""
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
         # Under loss scaling the wrapped optimizer is the one that applies (and sums).
-        inner = getattr(optimizer, "inner_optimizer", None)
-        if inner is not None:
-            inner._all_reduce_sum_gradients = _as_given
+        if opt is None:
+            continue
+        if not hasattr(opt, "_all_reduce_sum_gradients"):
+            raise RuntimeError(f"this Keras' {type(opt).__name__} has no "
+                               "_all_reduce_sum_gradients: tfpar needs Keras 3's TensorFlow "
+                               "optimizer (it hands it gradients summed already)")
+        opt._all_reduce_sum_gradients = _as_given
     return optimizer
 
 

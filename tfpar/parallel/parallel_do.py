@@ -5,12 +5,12 @@ every device and merges. Here the block is the one replica step of
 ``tfpar.objective.step``, and this module is only the wrapper::
 
     split:  global batch [B, T] -> rows of device d (shard_rows: sizes differ by <= 1)
-    run:    with tf.device(d): g_d, nll_d, n_d = replica_gradients(rows_d, N)
-    merge:  g = sum_d g_d (on the variable device); nll, n summed; states concatenated
+    run:    with tf.device(d): fn(rows_d)        (the step's token count, its gradients)
+    merge:  sum_d (on the variable device); states concatenated
 
 It is also the worked example of what a synchronous strategy consists of: a class with
-``num_replicas``, ``devices``, ``distribute``, ``gradients``, ``apply`` and ``losses``,
-a builder, and one line in ``tfpar.parallel.registry.STRATEGIES``. ``tower``
+``num_replicas``, ``devices``, ``distribute``, ``replicate``, ``sum`` and
+``run_update``, a builder, and one line in ``tfpar.parallel.registry.STRATEGIES``. ``tower``
 (``tfpar.parallel.tower``) is this strategy with a choice of variable device and of
 reduction (a ring).
 """
@@ -21,8 +21,7 @@ import tensorflow as tf
 
 from tfpar.config import DistConfig
 from tfpar.data.pipeline import shard_bounds, shard_rows, state_rows
-from tfpar.objective import losses, step
-from tfpar.parallel.base import StrategyPlugin
+from tfpar.parallel.base import StrategyPlugin, parts_of, sum_parts
 from tfpar.parallel.devices import data_parallel_devices
 
 
@@ -52,9 +51,10 @@ class ParallelDo(StrategyPlugin):
         """Global batches: the step splits them itself."""
         return dataset_fn(None)
 
-    def run(self, fn, batch, state) -> tuple[list, list]:
+    def replicate(self, fn, batch, state):
         """Split and run: ``fn(rows, state rows)`` on each device (the backward ops of a
-        tape built there land there too); returns its outputs and the row counts."""
+        tape built there land there too); each output leaf a ``Parts`` summed on the
+        variable device."""
         with tf.device(self.variable_device), tf.name_scope("split"):
             rows = tf.shape(batch["targets"])[0]
             bounds = [shard_bounds(rows, self.num_replicas, i) for i in range(len(self._devices))]
@@ -65,46 +65,21 @@ class ParallelDo(StrategyPlugin):
         for i, device in enumerate(self._devices):
             with tf.device(device), tf.name_scope(f"{self.replica_scope}_{i}"):
                 outs.append(fn(shards[i], parts[i]))
-        return outs, [size for _, size in bounds]
+        return parts_of(outs, self.variable_device, "sum", [size for _, size in bounds])
 
-    @staticmethod
-    def merge_states(finals: list, sizes: list):
-        """The replicas' final states concatenated back into the global [B, H] structure
-        (a replica that had no rows ran one padding row: dropped here)."""
-        if finals[0] is None:
-            return None
-        return tf.nest.map_structure(
-            lambda *parts: tf.concat([p[:n] for p, n in zip(parts, sizes)], 0), *finals)
+    def sum_gradients(self, grads, variables, combine):
+        """Merge: the sum of the replicas' gradients, on the variable device."""
+        return sum_parts(grads, combine, "controller_reduce")
 
-    def reduce_gradients(self, grads: list[list[tf.Tensor]], variables) -> list[tf.Tensor]:
-        """Merge: the sum of the replicas' gradients, on the variable device
-        (``tf.IndexedSlices``: their rows gathered, repeated rows summed)."""
-        with tf.device(self.variable_device), tf.name_scope("controller_reduce"):
-            return [step.deduplicate(step.sum_gradients(g)) for g in zip(*grads)]
-
-    def gradients(self, model, batch, state):
-        with tf.device(self.variable_device):
-            count = losses.token_count(batch["targets"])
-        outs, sizes = self.run(
-            lambda rows, s: step.replica_gradients(model, rows, count, s), batch, state)
-        grads, nlls, counts, finals = zip(*outs)
-        total = self.reduce_gradients(list(grads), model.trainable_variables)
+    def norm(self, grads, variables):
         with tf.device(self.variable_device), tf.name_scope("sum"):
-            return step.Aggregated(total, tf.linalg.global_norm(total), tf.add_n(nlls),
-                                   tf.add_n(counts), self.merge_states(finals, sizes))
+            return tf.linalg.global_norm(grads)
 
     def run_update(self, optimizer, update, grads):
         """Once, on the variable device; the Keras optimizer, used outside any
         ``tf.distribute`` strategy, all-reduces nothing."""
         with tf.device(self.variable_device), tf.name_scope("update"):
             update(grads)
-
-    def losses(self, model, batch, state):
-        outs, sizes = self.run(
-            lambda rows, s: step.forward(model, rows, s, training=False), batch, state)
-        nlls, counts, finals = zip(*outs)
-        with tf.device(self.variable_device), tf.name_scope("sum"):
-            return tf.add_n(nlls), tf.add_n(counts), self.merge_states(finals, sizes)
 
 
 def build_parallel_do(dist: DistConfig) -> ParallelDo:

@@ -68,12 +68,13 @@ class TowerPlugin(ParallelDo):
         return (f"{super().describe()}; variables on {self.variable_device}, "
                 f"{self.reduce} gradient reduction")
 
-    def reduce_gradients(self, grads, variables):
+    def sum_gradients(self, grads, variables, combine):
         if self.reduce == "ring" and self.num_replicas > 1:
-            return self._ring_sum(grads, [v.shape for v in variables])
-        return super().reduce_gradients(grads, variables)
+            return self._ring_sum([list(g) for g in zip(*(p.values for p in grads))],
+                                  [v.shape for v in variables], combine)
+        return super().sum_gradients(grads, variables, combine)
 
-    def _ring_sum(self, tower_grads: list[list[tf.Tensor]], shapes: list) -> list[tf.Tensor]:
+    def _ring_sum(self, tower_grads: list[list], shapes: list, combine) -> list:
         sparse = [isinstance(g, tf.IndexedSlices) for g in tower_grads[0]]
         dense = [i for i, s in enumerate(sparse) if not s]
         # The variable device takes the copy of the tower it shares a device with.
@@ -90,7 +91,7 @@ class TowerPlugin(ParallelDo):
             # round the ring whole (an all-gather), and every tower sums the same rows.
             gathered = ring_all_gather([g[i] for g in tower_grads], self.devices)
             with tf.device(self.variable_device), tf.name_scope("ring_result"):
-                out[i] = step.deduplicate(step.sum_gradients(gathered[source]))
+                out[i] = combine(gathered[source])
         return out
 
     def _ring_sum_dense(self, tower_grads, shapes, source):

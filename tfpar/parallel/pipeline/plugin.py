@@ -59,12 +59,12 @@ import logging
 import keras
 import tensorflow as tf
 
-from tfpar.objective import losses, step
+from tfpar.objective import step
 from tfpar.config import DistConfig
 from tfpar.data.pipeline import shard_bounds, shard_rows, state_rows
 from tfpar.model.lm import EMBEDDING, SOFTMAX, rnn_name
 from tfpar.parallel import devices as devices_lib
-from tfpar.parallel.base import StrategyPlugin
+from tfpar.parallel.base import Parts, StrategyPlugin, parts_of
 from tfpar.parallel.pipeline.stages import (RNN_PART, Placement, Stage, part_of_path,
                                             placement_from_config)
 
@@ -202,20 +202,40 @@ class PipelinePlugin(StrategyPlugin):
         return super().make_eval_step(model)
 
     # ------------------------------------------------------------------ step pieces
-    def gradients(self, model, batch, state):
-        """Forward wavefront, backward wavefront, each weight's gradients summed on its
-        stage; the global norm from one partial sum of squares per stage."""
+    def replicate(self, fn, batch, state):
+        """One data-parallel replica (the whole global batch flows through every stage):
+        ``fn`` on the last stage, where the loss uses what it computes (the step's token
+        count)."""
+        last = self.stages[-1]
+        with tf.device(last.device), tf.name_scope("global_count"):
+            out = fn(batch, state)
+        return parts_of([out], last.device, "global_count")
+
+    def gradient_pieces(self, model, batch, state, global_count):
+        """Forward wavefront, backward wavefront; each weight's gradient from every piece
+        that uses it, summed on its stage (the owner: the first stage that uses it)."""
         self.bind(model)
         mbs = self._split(batch)
-        with tf.device(self.stages[-1].device), tf.name_scope("global_count"):
-            global_count = tf.maximum(losses.token_count(batch["targets"]), 1.0)
         outs, tapes = self._forward_all(model, mbs, self._split_state(model, state, mbs),
                                         global_count, training=True)
-        grads, norm = self._accumulate(
-            model, self._backward_all(outs, tapes, self._stage_vars), self._owner)
-        return step.Aggregated(grads=grads, norm=norm, nll_sum=self._sum_last(outs, "nll"),
-                               count=self._sum_last(outs, "count"),
-                               state=self._join_state(model, outs, mbs, detach=True))
+        grads = self._backward_all(outs, tapes, self._stage_vars)
+        pieces = []
+        for v in model.trainable_variables:
+            stage = self.stages[self._owner[id(v)]]
+            pieces.append(Parts(grads[id(v)], stage.device, f"{stage.scope}/accumulate"))
+        return pieces, self._last(outs, "nll"), self._join_state(model, outs, mbs, detach=True)
+
+    def norm(self, grads, variables):
+        """One partial sum of squares per stage (one scalar leaves it), their root on the
+        first stage."""
+        partials = []
+        for s in self.stages:
+            mine = [g for g, v in zip(grads, variables) if self._owner[id(v)] == s.index]
+            if mine:
+                with tf.device(s.device), tf.name_scope(f"{s.scope}/accumulate"):
+                    partials.append(tf.add_n([step.squared_norm(g) for g in mine]))
+        with tf.device(self.stages[0].device), tf.name_scope("global_norm"):
+            return tf.sqrt(tf.add_n(partials))
 
     def run_update(self, optimizer, update, grads):
         """TF runs each weight's update where the weight lives."""
@@ -229,12 +249,12 @@ class PipelinePlugin(StrategyPlugin):
         with tf.device(stage.device), tf.name_scope(f"{stage.scope}/clip"):
             yield
 
-    def losses(self, model, batch, state):
+    def loss_pieces(self, model, batch, state):
         self.bind(model)
         mbs = self._split(batch)
         outs, _ = self._forward_all(model, mbs, self._split_state(model, state, mbs),
                                     None, training=False)
-        return (self._sum_last(outs, "nll"), self._sum_last(outs, "count"),
+        return (self._last(outs, "nll"), self._last(outs, "count"),
                 self._join_state(model, outs, mbs, detach=False))
 
     def schedule(self) -> list[tuple[Stage, int]]:
@@ -295,28 +315,11 @@ class PipelinePlugin(StrategyPlugin):
                 grads[id(v)].append(gv)
         return grads
 
-    def _accumulate(self, model, grads: dict, owner: dict) -> tuple[list, tf.Tensor]:
-        """Sums each weight's gradients on its stage; returns them in
-        ``model.trainable_variables`` order, and the global norm of the sum."""
-        summed, partials = {}, []
-        for s in self.stages:
-            mine = [v for v in model.trainable_variables if owner[id(v)] == s.index]
-            if not mine:
-                continue
-            with tf.device(s.device), tf.name_scope(f"{s.scope}/accumulate"):
-                for v in mine:
-                    summed[id(v)] = _sum(grads[id(v)], sparse=step.sparse_gradients(model))
-                # This stage's share of the squared global norm: one scalar leaves it.
-                partials.append(tf.add_n([step.squared_norm(summed[id(v)]) for v in mine]))
-        with tf.device(self.stages[0].device), tf.name_scope("global_norm"):
-            norm = tf.sqrt(tf.add_n(partials))
-        return [summed[id(v)] for v in model.trainable_variables], norm
-
-    def _sum_last(self, outs: dict, key: str) -> tf.Tensor:
-        """The sum over micro-batches of the last stage's ``key`` ("nll", "count")."""
+    def _last(self, outs: dict, key: str) -> Parts:
+        """The last stage's ``key`` ("nll", "count") of every micro-batch, summed there."""
         last = self.stages[-1]
-        with tf.device(last.device), tf.name_scope(f"sum_{key}"):
-            return tf.add_n([outs[last.index, j][key] for j in range(self.micro_batches)])
+        return Parts([outs[last.index, j][key] for j in range(self.micro_batches)],
+                     last.device, f"sum_{key}")
 
     # ---------------------------------------------------------------- stage pieces
     def _forward(self, model, stage: Stage, j: int, mb: _MicroBatch, x_in, states,
@@ -418,26 +421,6 @@ def _owners(model, stage_vars: list[list]) -> dict[int, int]:
     if missing:
         raise ValueError(f"weights outside every pipeline stage: {', '.join(missing)}")
     return owner
-
-
-def _sum(grads: list, *, sparse: bool):
-    """Sum of one weight's gradients from every micro-batch (and stage).
-
-    Embedding gradients come as ``IndexedSlices``: with ``sparse`` (the sampled softmax)
-    they stay so, rows gathered and repeated rows summed (``step.sum_gradients``,
-    ``step.deduplicate``); otherwise they are concatenated and made dense once, instead
-    of building one dense [V, E] tensor per micro-batch.
-    """
-    if sparse:
-        return step.deduplicate(step.sum_gradients(grads))
-    if any(isinstance(g, tf.IndexedSlices) for g in grads):
-        sparse = [g for g in grads if isinstance(g, tf.IndexedSlices)]
-        dense = [g for g in grads if not isinstance(g, tf.IndexedSlices)]
-        merged = tf.convert_to_tensor(tf.IndexedSlices(
-            tf.concat([g.values for g in sparse], 0), tf.concat([g.indices for g in sparse], 0),
-            sparse[0].dense_shape))
-        return tf.add_n([merged] + dense) if dense else merged
-    return tf.add_n(grads) if len(grads) > 1 else grads[0]
 
 
 def build_pipeline(dist: DistConfig) -> PipelinePlugin:
