@@ -94,6 +94,25 @@ def test_the_optimizer_applies_the_summed_gradients_without_summing_again():
     assert "_all_reduce_sum_gradients" not in vars(keras.optimizers.SGD(1.0))  # per instance
 
 
+def test_an_optimizer_without_the_replica_sum_is_refused_in_one_line():
+    """An optimizer that would sum the replicas' gradients where tfpar cannot switch the
+    sum off would apply them R times: refused, naming the class."""
+    import keras
+
+    from tfpar.parallel import distribute
+
+    class Summing:
+        pass
+
+    with pytest.raises(RuntimeError, match=r"^this Keras' Summing has no "
+                       r"_all_reduce_sum_gradients: tfpar needs Keras 3's TensorFlow "
+                       r"optimizer \(it hands it gradients summed already\)$"):
+        distribute.summed_already(Summing())
+    wrapped = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1.0))
+    assert distribute.summed_already(wrapped) is wrapped  # and its inner optimizer
+    assert "_all_reduce_sum_gradients" in vars(wrapped.inner_optimizer)
+
+
 @functools.lru_cache(maxsize=None)
 def sampled_setup(mode, tie):
     """``setup(mode)`` with the sampled softmax (8 candidates of 43 words), tied or not;

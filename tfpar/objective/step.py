@@ -253,7 +253,7 @@ def add_gradients(parts: Sequence) -> Any:
     sparse = [g for g in parts if isinstance(g, tf.IndexedSlices)]
     dense = [g for g in parts if not isinstance(g, tf.IndexedSlices)]
     if not sparse:
-        return tf.add_n(dense) if len(dense) > 1 else dense[0]
+        return add(dense)
     rows = tf.IndexedSlices(tf.concat([g.values for g in sparse], 0),
                             tf.concat([tf.cast(g.indices, tf.int64) for g in sparse], 0),
                             sparse[0].dense_shape)
@@ -281,7 +281,8 @@ def combine_gradients(model) -> Callable[[Sequence], Any]:
 
 
 def add(parts: Sequence) -> tf.Tensor:
-    """``combine`` for scalars (losses, token counts): their sum."""
+    """Dense parts summed: ``combine`` for scalars (losses, token counts), and the dense
+    case of :func:`add_gradients`."""
     parts = list(parts)
     return tf.add_n(parts) if len(parts) > 1 else parts[0]
 
