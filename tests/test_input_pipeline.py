@@ -6,8 +6,12 @@ import tensorflow as tf
 
 from tfpar.config import DataConfig
 from tfpar.errors import DataError
-from tfpar.data.pipeline import (InputData, bucket_boundaries, count_tokens, shard_bounds)
+from tfpar.data.pipeline import InputData, bucket_boundaries, count_tokens
 from tfpar.data.vocab import EOS_ID, PAD_ID, Vocab
+from tfpar.parallel.parameter_server import worker_batches
+from tfpar.parallel.rows import Context as Ctx
+from tfpar.parallel.rows import replica_batches, shard_bounds
+from tfpar.tools.verify import shared_batches
 
 from conftest import length_histogram, sentence_lengths, shared_data_dir
 
@@ -21,15 +25,6 @@ def make_lines(n, seed=0, max_words=30):
 def make_data(lines, **kw):
     splits = {"train": lines, "valid": lines[:20], "test": lines[:10]}
     return InputData(splits, Vocab.build(lines), DataConfig(**kw), seed=1)
-
-
-class Ctx:
-    """A stand-in for tf.distribute.InputContext (only the fields the pipeline reads)."""
-
-    def __init__(self, replicas, pipelines=1, pipeline_id=0):
-        self.num_replicas_in_sync = replicas
-        self.num_input_pipelines = pipelines
-        self.input_pipeline_id = pipeline_id
 
 
 def rows(batch):
@@ -139,8 +134,8 @@ def test_shard_bounds_cover_rows_exactly_once(rows_, shards):
 def test_replica_slices_of_one_pipeline_reassemble_the_global_batch(replicas, mode):
     data = make_data(make_lines(101), max_pad_fraction=0.3, mode=mode, bptt=7)
     global_batches = [b for b in data.batches("train", training=True, batch_size=10)]
-    slices = list(data.batches("train", training=True, batch_size=10,
-                               input_context=Ctx(replicas)))
+    slices = list(replica_batches(data, "train", training=True, batch_size=10,
+                                  input_context=Ctx(replicas)))
     assert len(slices) == replicas * len(global_batches)
     for k, g in enumerate(global_batches):
         parts = slices[k * replicas:(k + 1) * replicas]
@@ -156,12 +151,12 @@ def _epoch_lines(data, pipelines, replicas, epoch=0, workers=False):
     seen = []
     for p in range(pipelines):
         if workers:
-            batches = data.batches("train", training=True, epoch=epoch, batch_size=4,
-                                   worker=(pipelines, tf.constant(p)))
+            batches = worker_batches(data, "train", training=True, epoch=epoch, batch_size=4,
+                                     workers=pipelines, index=tf.constant(p))
             assert max(len(rows(b)) for b in batches) == 4  # whole batches, not slices
         else:
-            batches = data.batches("train", training=True, epoch=epoch, batch_size=12,
-                                   input_context=Ctx(replicas, pipelines, p))
+            batches = replica_batches(data, "train", training=True, epoch=epoch,
+                                      batch_size=12, input_context=Ctx(replicas, pipelines, p))
         seen.append([r for b in batches for r in rows(b)])
     return seen
 
@@ -211,8 +206,9 @@ def test_a_resumed_worker_skips_its_turns_of_the_jobs_first_batches():
     worker 1's."""
     data = make_data(make_lines(200))
     for index, dropped in ((0, 2), (1, 1)):
-        full, rest = ([rows(b) for b in data.batches("train", training=True, batch_size=8,
-                                                     skip=skip, worker=(2, tf.constant(index)))]
+        full, rest = ([rows(b) for b in worker_batches(data, "train", training=True,
+                                                       batch_size=8, skip=skip, workers=2,
+                                                       index=tf.constant(index))]
                       for skip in (0, 3))
         assert rest == full[dropped:]
 
@@ -221,8 +217,8 @@ def test_a_stream_mode_worker_takes_every_wth_global_batch():
     data = make_data(make_lines(200), mode="stream", bptt=5)
     whole = [b["targets"].numpy() for b in data.batches("train", training=True, batch_size=4)]
     for index in (0, 1):
-        mine = [b["targets"].numpy() for b in data.batches(
-            "train", training=True, batch_size=4, worker=(2, tf.constant(index)))]
+        mine = [b["targets"].numpy() for b in worker_batches(
+            data, "train", training=True, batch_size=4, workers=2, index=tf.constant(index))]
         assert len(mine) == len(whole[index::2])
         assert all((a == b).all() for a, b in zip(mine, whole[index::2]))
 
@@ -238,7 +234,8 @@ def test_the_log_says_how_workers_share_the_train_split():
 
 def test_partial_batch_smaller_than_replicas_pads_empty_replicas():
     data = make_data(["a b"] * 3)
-    slices = list(data.batches("valid", training=False, batch_size=8, input_context=Ctx(4)))
+    slices = list(replica_batches(data, "valid", training=False, batch_size=8,
+                                  input_context=Ctx(4)))
     assert len(slices) == 4
     assert [len(rows(s)) for s in slices] == [1, 1, 1, 0]
     assert int(tf.reduce_sum(slices[3]["targets"])) == 0
@@ -260,11 +257,10 @@ def test_one_device_can_make_the_global_batches_of_several_pipelines(pipelines):
     """shared_batches: batch k is every pipeline's k-th batch, in pipeline order, with
     their global row keys (the verify tool's multi_worker reference)."""
     data = make_data(make_lines(90), max_pad_fraction=0.3)
-    per = [list(data.batches("train", training=True, epoch=1, batch_size=12,
-                             input_context=Ctx(pipelines, pipelines, p)))
+    per = [list(replica_batches(data, "train", training=True, epoch=1, batch_size=12,
+                                input_context=Ctx(pipelines, pipelines, p)))
            for p in range(pipelines)]
-    shared = list(data.batches("train", training=True, epoch=1, batch_size=12,
-                               shares=pipelines))
+    shared = list(shared_batches(data, "train", 12, pipelines, shuffle=True, epoch=1))
     assert len(shared) == max(len(b) for b in per)
     for k, g in enumerate(shared):
         parts = [b[k] for b in per if k < len(b)]

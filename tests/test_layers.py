@@ -10,7 +10,7 @@ from tfpar.model.layers import FastGRU, FastLSTM
 
 PAIRS = [(FastLSTM, keras.layers.LSTM, 2), (FastGRU, keras.layers.GRU, 1)]
 # Row 0 full, row 1 right-padded, row 2 all padding (the empty-shard row of
-# input_pipeline.shard_rows), row 3 a single real step.
+# tfpar.parallel.rows.shard_rows), row 3 a single real step.
 MASK = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 0, 0, 0, 0]], bool)
 
 

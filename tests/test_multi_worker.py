@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from conftest import without_gpus
 from tfpar.tools.cli import train_main
-from tfpar.data.pipeline import per_replica
+from tfpar.parallel.rows import per_replica
 from tfpar.parallel import multi_worker
 
 

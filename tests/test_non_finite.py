@@ -36,7 +36,8 @@ import tensorflow as tf
 
 from conftest import PINNED, REPO, batch_of, model_config, small_config, snapshot, train_config
 from tfpar.config import DataConfig, DistConfig, RunConfig
-from tfpar.data.pipeline import InputData, per_replica
+from tfpar.data.pipeline import InputData
+from tfpar.parallel.rows import per_replica
 from tfpar.data.vocab import EOS_ID, Vocab
 from tfpar.errors import TrainingError
 from tfpar.model.lm import build_model
@@ -361,13 +362,14 @@ def run_args(corpus, out, *extra):
 
 def batches_per_epoch(corpus, pipelines: int = 1) -> int:
     """Steps of an epoch; with several input pipelines (multi_worker) each reads its own
-    lines, and the epoch lasts as long as the longest's (InputData.shared_batches)."""
+    lines, and the epoch lasts as long as the longest's (verify's shared_batches)."""
     from tfpar.data.sources import load_corpus
+    from tfpar.tools.verify import shared_batches
 
     config = DataConfig(source=str(corpus))
     loaded = load_corpus(config, seed=3)
     data = InputData(loaded.splits, Vocab.build(loaded.splits["train"]), config, seed=3)
-    return count_batches(data.batches("train", training=True, batch_size=16, shares=pipelines))
+    return count_batches(shared_batches(data, "train", 16, pipelines, shuffle=True))
 
 
 def checkpoint_tensors(model_dir) -> dict[str, np.ndarray]:

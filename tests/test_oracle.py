@@ -45,7 +45,7 @@ import tensorflow as tf
 
 from conftest import batch_of, model_config, small_config, snapshot, train_config
 from tfpar.config import DistConfig, ModelConfig
-from tfpar.data.pipeline import per_replica
+from tfpar.parallel.rows import per_replica
 from tfpar.model.lm import build_model
 from tfpar.parallel.registry import build_strategy
 from tfpar.training.schedule import EpochSchedule, optimizer_factory
@@ -267,6 +267,27 @@ def test_two_mirrored_replicas_equal_the_hand_computed_update():
     assert ours.plugin.num_replicas == 2
     for k, rows in enumerate(BATCHES[:2]):
         assert compare_step(ours, oracle, rows, f"step {k}") < CLIP_ABOVE / 2
+
+
+def test_a_replica_handed_no_rows_leaves_the_update_of_the_others():
+    """When one multi_worker input pipeline has ended before another, ``tf.distribute``
+    hands its replicas batches of 0 rows (which Keras RNN kernels reject); the replica
+    then runs one row of padding, and the step is the one-device update on the other
+    replica's rows alone."""
+    weights = initial_weights(FULL)
+    dist = DistConfig(strategy="mirrored", devices=("/device:CPU:0", "/device:CPU:1"))
+    ours = tfpar_run(FULL, weights, CLIP_ABOVE, dist)
+    oracle = Oracle(FULL, weights, CLIP_ABOVE)
+    batch = batch_of(BATCHES[0])
+    rows = {**batch, "rows": tf.range(5, dtype=tf.int32)}
+    empty = {k: v[:0] for k, v in rows.items()}
+    shares = tf.data.Dataset.from_tensors(rows).concatenate(tf.data.Dataset.from_tensors(empty))
+    out = ours.step(next(iter(ours.plugin.distribute(lambda ctx: shares))))
+    loss, count, norm, _ = oracle.train(batch)
+    assert float(out.count) == count
+    assert float(out.nll_sum) / float(out.count) == pytest.approx(loss, rel=RTOL)
+    assert float(out.grad_norm) == pytest.approx(norm, rel=RTOL)
+    assert_same_state(ours, oracle, "a 0-row replica")
 
 
 def test_the_hand_candidates_are_tfpars():

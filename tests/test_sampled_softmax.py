@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from conftest import batch_of, model_config
 from tfpar.config import DistConfig
-from tfpar.data.pipeline import per_replica
+from tfpar.parallel.rows import per_replica
 from tfpar.errors import ConfigError
 from tfpar.model.lm import build_model
 from tfpar.model.noise import Noise

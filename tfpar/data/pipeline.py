@@ -32,21 +32,11 @@ continues row ``b`` of window ``k`` and the RNN state carries over::
     column 0: t0 t1 t2 t3 t4 t5 t6        window 0: inputs [[t0 t1 t2],  [t7 t8 t9]]
     column 1: t7 t8 t9 t10 t11 t12 t13              targets [[t1 t2 t3],  [t8 t9 t10]]
 
-Sharding. One input pipeline (one process, any number of local replicas) builds the
-global batches and emits, in order, the row slices of its replicas (slice sizes differ by
-at most one row). ``tf.distribute`` hands consecutive elements of one pipeline to
-consecutive local replicas, so replica ``r`` always sees rows ``shard_bounds(B, R)[r]`` of
-each global batch: the union over replicas is exactly the global batch a single device
-would see, with nothing duplicated or skipped. A slice that would hold no rows holds one
-row of padding instead (zero tokens, zero gradient).
-
-Several input pipelines (multi_worker, one per worker) read disjoint shares of the lines
-in sentence mode (their own shard files, or every P-th line of fewer files:
-:func:`shares_files`) and batch only their replicas' rows of each global batch;
-:meth:`InputData.shared_batches` makes the same global batches on one device. In stream
-mode every pipeline reads every row (only a reader of all rows knows when the epoch ends)
-and keeps its replicas' slices. A parameter-server worker makes whole batches of its own
-share (``InputData.batches(worker=...)``).
+Input pipelines. ``InputData.batches`` makes one input pipeline's batches: the global
+batches, or (sentence mode, ``pipelines`` > 1) batches of this pipeline's rows of each
+global batch from its own disjoint share of the lines (its own files, or every P-th line
+of fewer files: :func:`shares_files`). Cutting batches into replica shares is the
+parallel layer's (``tfpar.parallel.rows``).
 """
 
 from __future__ import annotations
@@ -172,96 +162,6 @@ def _trim_columns(x: tf.Tensor) -> tf.Tensor:
     """[b, T] ids without the trailing columns that are padding in every row."""
     length = tf.reduce_max(tf.reduce_sum(tf.cast(x != PAD_ID, tf.int32), axis=1))
     return x[:, :tf.maximum(length, 1)]
-
-
-# ----------------------------------------------------------------------------- sharding
-def shard_bounds(rows: tf.Tensor, num_shards: int, index: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """Start and size of shard ``index`` of ``rows`` rows; sizes differ by at most one.
-
-    The first ``rows % num_shards`` shards get one row more than the others.
-    """
-    rows = tf.cast(rows, tf.int32)
-    index = tf.cast(index, tf.int32)
-    base, extra = rows // num_shards, rows % num_shards
-    start = index * base + tf.minimum(index, extra)
-    size = base + tf.cast(index < extra, tf.int32)
-    return start, size
-
-
-def shard_rows(batch: dict, num_shards: int, index: int | tf.Tensor) -> dict:
-    """Rows of ``batch`` that belong to shard ``index``; never empty (see module doc).
-
-    The shard also gets "rows" [b] int32, its rows' indices in ``batch`` (kept from
-    ``batch`` when it has them, so a shard of a shard still knows its global rows): they
-    key the dropout masks, so a replica draws the masks one device draws for its rows.
-    """
-    start, size = shard_bounds(tf.shape(batch["targets"])[0], num_shards, index)
-    if "rows" not in batch:
-        batch = with_rows(batch, 0)
-    # An empty shard becomes one all-padding row: Keras RNN kernels reject 0-row
-    # batches, and a padding row contributes exactly zero loss and zero gradient.
-    return {
-        key: tf.cond(size > 0, lambda v=value: v[start:start + size], lambda v=value: _pad_row(v))
-        for key, value in batch.items()
-    }
-
-
-def state_rows(state: tf.Tensor, start: tf.Tensor, size: tf.Tensor) -> tf.Tensor:
-    """Rows ``start:start+size`` of a [B, H] recurrent state: the state of the shard
-    ``shard_bounds`` gives; one zero row when ``size`` is 0 (its padding row)."""
-    return tf.cond(size > 0, lambda: state[start:start + size],
-                   lambda: tf.zeros(tf.concat([[1], tf.shape(state)[1:]], 0), state.dtype))
-
-
-def at_least_one_row(batch: dict) -> dict:
-    """A batch of no rows becomes one row of padding (zero tokens, zero gradient).
-
-    In a multi-worker sentence-mode epoch each input pipeline reads its own lines, so one
-    may run out a step or two before another; ``tf.distribute`` then hands its replicas
-    batches of 0 rows until every pipeline has ended (which Keras RNN kernels reject).
-    """
-    rows = tf.shape(batch["targets"])[0]
-    return {k: tf.cond(rows > 0, lambda v=v: v, lambda v=v: _pad_row(v)) for k, v in batch.items()}
-
-
-def with_rows(batch: dict, first) -> dict:
-    """``batch`` with "rows" [b] int32: its rows are global rows ``first, first + 1, …``."""
-    return {**batch, "rows": first + tf.range(tf.shape(batch["targets"])[0], dtype=tf.int32)}
-
-
-def _pad_row(value: tf.Tensor) -> tf.Tensor:
-    """One row of padding shaped like ``value``'s rows (at least one time step)."""
-    shape = tf.concat([[1], tf.maximum(tf.shape(value)[1:], 1)], axis=0)
-    return tf.fill(shape, tf.constant(PAD_ID, value.dtype))
-
-
-def per_replica(batches: tf.data.Dataset, input_context=None, *,
-                rows: tuple[int, int] | None = None) -> tf.data.Dataset:
-    """Turns a dataset of batches into this pipeline's per-replica slices.
-
-    ``rows`` None: the batches are global and each local replica gets its
-    ``shard_bounds`` rows. ``rows = (first, n)``: the batches hold only this pipeline's
-    ``n`` rows of the global batch, starting at global row ``first`` (a sentence-mode
-    pipeline reading its own lines); its local replicas share them by ``shard_bounds``.
-    With ``input_context`` None (one device) the batches pass through unchanged.
-    """
-    if input_context is None or input_context.num_replicas_in_sync == 1:
-        return batches
-    total = input_context.num_replicas_in_sync
-    local = total // input_context.num_input_pipelines
-    first = input_context.input_pipeline_id * local
-
-    if rows is None:
-        def slices(batch):
-            return tf.data.Dataset.range(local).map(
-                lambda i: shard_rows(batch, total, tf.cast(first + i, tf.int32)))
-    else:
-        def slices(batch):
-            batch = with_rows(batch, rows[0])
-            return tf.data.Dataset.range(local).map(
-                lambda i: shard_rows(batch, local, tf.cast(i, tf.int32)))
-
-    return batches.flat_map(slices)
 
 
 # ----------------------------------------------------------------------------- datasets
@@ -527,93 +427,39 @@ class InputData:
 
         return chunks.scan(tf.zeros([0], tf.int32), step).unbatch()
 
-    def shared_batches(self, split: str, batch_size: int, shares: int, *, shuffle: bool,
-                       epoch: int = 0) -> tf.data.Dataset:
-        """Global sentence-mode batches as ``shares`` input pipelines make them: batch k
-        is the rows of every pipeline's k-th batch (``shares_files``, ``pipeline_rows``), in
-        pipeline order, keyed by their global rows; a pipeline that has ended adds none.
-
-        What one device trains on to repeat a ``shares``-worker run exactly (the verify
-        tool's multi_worker reference)."""
-        ended = tf.data.Dataset.from_tensors(({
-            "inputs": tf.zeros([0, 1], tf.int32), "targets": tf.zeros([0, 1], tf.int32),
-            "rows": tf.zeros([0], tf.int32)}, False)).repeat()
-        parts = []
-        for index in range(shares):
-            first, rows = pipeline_rows(batch_size, _Context(shares, shares, index))
-            ds = self.sentence_batches(split, rows, shuffle=shuffle, epoch=epoch,
-                                       pipelines=shares, index=index)
-            parts.append(ds.map(lambda b, first=first: (with_rows(b, first), True))
-                         .concatenate(ended))
-
-        def join(*parts_):
-            length = tf.reduce_max([tf.shape(b["targets"])[1] for b, _ in parts_])
-            out = {}
-            for key in ("inputs", "targets"):
-                out[key] = tf.concat([tf.pad(b[key], [[0, 0], [0, length - tf.shape(b[key])[1]]])
-                                      for b, _ in parts_], axis=0)
-            out["rows"] = tf.concat([b["rows"] for b, _ in parts_], axis=0)
-            return out
-
-        return tf.data.Dataset.zip(tuple(parts)).take_while(
-            lambda *parts_: tf.reduce_any(tf.stack([alive for _, alive in parts_]))).map(join)
+    @property
+    def reads_own_lines(self) -> bool:
+        """Whether several input pipelines each read their own share of the lines
+        (sentence mode) rather than every row (stream mode: only a reader of all rows
+        knows when the epoch ends)."""
+        return self.config.mode == "sentence"
 
     # -- both
     def batches(self, split: str, *, training: bool, epoch: int = 0, skip: int = 0,
-                input_context=None, batch_size: int, shares: int = 1,
-                worker: tuple[int, int | tf.Tensor] | None = None) -> tf.data.Dataset:
-        """The per-replica dataset of ``split`` for one epoch.
+                batch_size: int, pipelines: int = 1, index: int | tf.Tensor = 0
+                ) -> tf.data.Dataset:
+        """The batches of ``split`` for one epoch that input pipeline ``index`` of
+        ``pipelines`` makes: ``batch_size`` rows each (stream mode: the global batches,
+        whatever the pipeline).
 
         Args:
           split: "train", "valid" or "test".
           training: shuffle (sentence mode) by file order and a buffer that depend on
             ``epoch``.
           epoch: selects the shuffle; the same epoch always gives the same batches.
-          skip: batches of this pipeline to skip (resuming in the middle of an epoch).
-          input_context: ``tf.distribute.InputContext`` or None for one device.
-          batch_size: global batch size.
-          shares: sentence mode, one pipeline: make the global batches that this many
-            input pipelines would (:meth:`shared_batches`).
-          worker: ``(workers, index)``, ``index`` an int or a tensor (a worker knows its
-            own index only as a tensor): the whole batches of one
-            parameter-server worker. In sentence mode they are made of its own share of
-            the lines (:func:`shares_files`), ``skip`` counting the job's batches dealt
-            round robin; in stream mode they are global batches ``index, index +
-            workers, ...``.
+          skip: batches to skip (resuming in the middle of an epoch).
+          batch_size: rows per batch.
+          pipelines, index: sentence mode, the pipeline's own share of the lines
+            (:func:`shares_files`); ``index`` may be a tensor (a parameter-server worker
+            knows its own index only as one).
         """
-        if worker is not None:
-            return self._worker_batches(split, training, epoch, skip, batch_size, *worker)
-        pipelines = input_context.num_input_pipelines if input_context is not None else 1
         if self.config.mode == "stream":
             ds = self.stream_batches(split, batch_size)
-            rows = None
-        elif pipelines == 1 and shares > 1:
-            ds = self.shared_batches(split, batch_size, shares, shuffle=training, epoch=epoch)
-            rows = None
-        elif pipelines == 1:
-            ds = self.sentence_batches(split, batch_size, shuffle=training, epoch=epoch)
-            rows = None
         else:
-            # Each pipeline reads its own share of the lines and batches the rows of its
-            # replicas (see shares_files): global row indices key the dropout masks.
-            index = input_context.input_pipeline_id
-            rows = pipeline_rows(batch_size, input_context)
-            ds = self.sentence_batches(split, rows[1], shuffle=training, epoch=epoch,
+            ds = self.sentence_batches(split, batch_size, shuffle=training, epoch=epoch,
                                        pipelines=pipelines, index=index)
         if skip:
             ds = ds.skip(skip)
-        ds = per_replica(ds, input_context, rows=rows)
-        return ds.prefetch(AUTOTUNE)
-
-    def _worker_batches(self, split, training, epoch, skip, batch_size, workers, index):
-        index = tf.cast(index, tf.int64)
-        if self.config.mode == "stream":
-            ds = self.stream_batches(split, batch_size).skip(skip).shard(workers, index)
-        else:
-            # Of the job's first ``skip`` batches, dealt in turn, this worker had these.
-            mine = tf.maximum(tf.constant(skip, tf.int64) - index + workers - 1, 0) // workers
-            ds = self.sentence_batches(split, batch_size, shuffle=training, epoch=epoch,
-                                       pipelines=workers, index=index).skip(mine)
         return ds.prefetch(AUTOTUNE)
 
     def share_summary(self, split: str, pipelines: int) -> str:
@@ -638,30 +484,6 @@ def shares_files(segments: int, pipelines: int) -> bool:
     ``index, index + pipelines, ...``. Either way their lines are disjoint and together
     are the split."""
     return segments >= pipelines
-
-
-def pipeline_rows(batch_size: int, input_context) -> tuple[int, int]:
-    """(first global row, rows) of the global batch that ``input_context``'s pipeline
-    feeds: the rows of its local replicas (``shard_bounds``)."""
-    total = input_context.num_replicas_in_sync
-    local = total // input_context.num_input_pipelines
-    first = input_context.input_pipeline_id * local
-    starts = [int(r) for r in _bounds(batch_size, total)]
-    return starts[first], starts[first + local] - starts[first]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Context:
-    """The fields of a ``tf.distribute.InputContext`` that this module reads."""
-
-    num_replicas_in_sync: int
-    num_input_pipelines: int
-    input_pipeline_id: int
-
-
-def _bounds(rows: int, shards: int) -> list[int]:
-    base, extra = divmod(rows, shards)
-    return [k * base + min(k, extra) for k in range(shards + 1)]
 
 
 def _seed(seed: int, epoch: int) -> int:

@@ -52,7 +52,6 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
-from tfpar.data.pipeline import at_least_one_row
 from tfpar.model import precision, xla
 from tfpar.objective import fused, losses, sampling
 
@@ -109,7 +108,7 @@ def forward(model, batch: dict, state=None, training: bool = False, *,
     Args:
       batch: {"inputs": [b, T] int32, "targets": [b, T] int32}, and "rows" [b] int32
         (the rows' indices in the global batch, which key the dropout masks) when the
-        rows are a replica's share (``tfpar.data.pipeline.shard_rows``).
+        rows are a replica's share (``tfpar.parallel.rows``), at least one row.
       state: initial recurrent state (one list of [b, H] tensors per layer) or None.
       for_gradient: the loss will be differentiated (the fused softmax then computes its
         gradient with the loss: :func:`full_loss`).
@@ -117,8 +116,6 @@ def forward(model, batch: dict, state=None, training: bool = False, *,
     Returns:
       ``(nll_sum, count, final_state)``, float32 scalars and the state structure.
     """
-    if not model.fixed_shapes:  # sentence mode: an ended pipeline's replica gets 0 rows
-        batch = at_least_one_row(batch)
     if not model.config.fused_softmax:
         logits, final = model(batch["inputs"], initial_state=state, training=training,
                               rows=batch.get("rows"))

@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from tfpar.objective import step
 from tfpar.objective.step import StepOutput
+from tfpar.parallel import rows
 
 # dataset_fn(input_context) -> per-replica tf.data.Dataset; input_context is a
 # tf.distribute.InputContext, or None for plug-ins that split global batches themselves.
@@ -75,7 +76,7 @@ def join_parts(finals):
         if p.values[0] is None:
             return None
         with tf.device(p.device), tf.name_scope("join_state"):
-            return tf.concat([v[:n] for v, n in zip(p.values, p.rows)], 0)
+            return rows.join(p.values, p.rows)
     return tf.nest.map_structure(one, finals)
 
 

@@ -20,8 +20,8 @@ import tensorflow as tf
 
 from tfpar.parallel import devices as devices_lib
 from tfpar.config import DistConfig
-from tfpar.data.pipeline import shard_bounds, state_rows
 from tfpar.errors import ConfigError
+from tfpar.parallel import rows
 from tfpar.parallel.base import StrategyPlugin
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,14 @@ class DistributePlugin(StrategyPlugin):
         return self.strategy.experimental_local_results(value)[0]
 
     def replicate(self, fn, batch, state):
-        return self.strategy.run(fn, args=(batch, state))
+        """``fn`` on every replica's share (a share of no rows, which ``tf.distribute``
+        hands out when one multi-worker input pipeline has ended before another, becomes
+        one padding row: ``rows.at_least_one_row``)."""
+        def share(rows_, state_):
+            if not rows_["targets"].shape[0]:  # rows unknown when traced, or none
+                rows_ = rows.at_least_one_row(rows_)
+            return fn(rows_, state_)
+        return self.strategy.run(share, args=(batch, state))
 
     def sum(self, values, combine):
         """Scalars (losses, token counts): ``strategy.reduce``."""
@@ -90,21 +97,15 @@ class DistributePlugin(StrategyPlugin):
     def global_state(self, state):
         if state is None or self.num_replicas == 1:
             return state
-        # Replica r holds rows shard_bounds(B, R)[r], in replica order (data.pipeline).
+        # Replica r holds rows shard_bounds(B, R)[r], in replica order (parallel.rows).
         return tf.nest.map_structure(lambda v: self.strategy.gather(v, axis=0), state)
 
     def local_state(self, state):
         if state is None or self.num_replicas == 1:
             return state
         replicas = self.num_replicas
-
-        def rows(ctx):
-            def part(v):
-                start, size = shard_bounds(tf.shape(v)[0], replicas, ctx.replica_id_in_sync_group)
-                return state_rows(v, start, size)
-            return tf.nest.map_structure(part, state)
-
-        return self.strategy.experimental_distribute_values_from_function(rows)
+        return self.strategy.experimental_distribute_values_from_function(
+            lambda ctx: rows.state_share(state, replicas, ctx.replica_id_in_sync_group))
 
 
 def _as_given(grads_and_vars):

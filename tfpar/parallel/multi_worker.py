@@ -13,7 +13,7 @@ mean more worker processes (``launch_local.py --workers N``), not ``--cpu-device
 which TF's strategy has no public way to honour and is refused.
 
 Input. Every worker builds the same global batches and keeps the row slices of its own
-replicas (``tfpar.data.pipeline.per_replica`` with the strategy's ``InputContext``:
+replicas (``tfpar.parallel.rows.per_replica`` with the strategy's ``InputContext``:
 ``input_pipeline_id`` is the worker's place in the cluster, each worker owns
 ``num_replicas_in_sync / num_input_pipelines`` consecutive replica slots), so the union
 over workers is each global batch exactly once.

@@ -4,7 +4,7 @@
 every device and merges. Here the block is the one replica step of
 ``tfpar.objective.step``, and this module is only the wrapper::
 
-    split:  global batch [B, T] -> rows of device d (shard_rows: sizes differ by <= 1)
+    split:  global batch [B, T] -> rows of device d (rows.split: sizes differ by <= 1)
     run:    with tf.device(d): fn(rows_d)        (the step's token count, its gradients)
     merge:  sum_d (on the variable device); states concatenated
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfpar.config import DistConfig
-from tfpar.data.pipeline import shard_bounds, shard_rows, state_rows
+from tfpar.parallel import rows
 from tfpar.parallel.base import StrategyPlugin, parts_of, sum_parts
 from tfpar.parallel.devices import data_parallel_devices
 
@@ -56,16 +56,12 @@ class ParallelDo(StrategyPlugin):
         tape built there land there too); each output leaf a ``Parts`` summed on the
         variable device."""
         with tf.device(self.variable_device), tf.name_scope("split"):
-            rows = tf.shape(batch["targets"])[0]
-            bounds = [shard_bounds(rows, self.num_replicas, i) for i in range(len(self._devices))]
-            parts = [None if state is None else tf.nest.map_structure(
-                lambda s, b=b: state_rows(s, *b), state) for b in bounds]
-            shards = [shard_rows(batch, self.num_replicas, i) for i in range(len(self._devices))]
+            shares = rows.split(batch, state, self.num_replicas)
         outs = []
-        for i, device in enumerate(self._devices):
+        for i, (device, share) in enumerate(zip(self._devices, shares)):
             with tf.device(device), tf.name_scope(f"{self.replica_scope}_{i}"):
-                outs.append(fn(shards[i], parts[i]))
-        return parts_of(outs, self.variable_device, "sum", [size for _, size in bounds])
+                outs.append(fn(share.batch, share.state))
+        return parts_of(outs, self.variable_device, "sum", [s.size for s in shares])
 
     def sum_gradients(self, grads, variables, combine):
         """Merge: the sum of the replicas' gradients, on the variable device."""

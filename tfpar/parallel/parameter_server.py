@@ -68,6 +68,25 @@ ShardedVariable = tf.__internal__.distribute.ShardedVariable
 MIN_SHARD_BYTES = 256 << 10
 
 
+def worker_batches(data, split: str, *, training: bool, batch_size: int, workers: int,
+                   index, epoch: int = 0, skip: int = 0) -> tf.data.Dataset:
+    """The whole batches parameter-server worker ``index`` of ``workers`` trains on.
+
+    Sentence mode: batches of its own share of the lines (``tfpar.data.pipeline
+    .shares_files``), ``skip`` counting the job's batches, dealt to the workers in turn.
+    Stream mode: global batches ``index, index + workers, ...`` after the first ``skip``.
+    ``index`` is an int or a tensor (a worker knows its own index only as a tensor).
+    """
+    index = tf.cast(index, tf.int64)
+    if not data.reads_own_lines:
+        return data.batches(split, training=training, epoch=epoch, skip=skip,
+                            batch_size=batch_size).shard(workers, index)
+    # Of the job's first ``skip`` batches, dealt in turn, this worker had these.
+    mine = tf.maximum(tf.constant(skip, tf.int64) - index + workers - 1, 0) // workers
+    return data.batches(split, training=training, epoch=epoch, batch_size=batch_size,
+                        pipelines=workers, index=index).skip(mine)
+
+
 class CheckpointedShards(ShardedVariable):
     """A ``ShardedVariable`` a Keras 3 variable can checkpoint.
 
@@ -275,13 +294,13 @@ class Coordinator:
         return dataset_fn(None)
 
     def distribute_to_workers(self, dataset_fn):
-        """Per-worker iterators, repeated: ``dataset_fn(input_context, worker=(W, i))`` on
-        worker i, whose index is a tensor only that worker's dataset knows."""
+        """Per-worker iterators, repeated: ``dataset_fn(workers, index)`` on worker
+        ``index`` (:func:`worker_batches`), a tensor only that worker's dataset knows."""
         workers = self.num_workers
 
         def worker_dataset(input_context):
             index = tf.distribute.coordinator.experimental_get_current_worker_index()
-            return dataset_fn(input_context, worker=(workers, index)).repeat()
+            return dataset_fn(workers, index).repeat()
 
         @tf.function
         def per_worker():

@@ -4,7 +4,7 @@ One process and no ``tf.distribute``: the plug-in places every op itself. It is 
 ``parallel_do`` strategy (``tfpar.parallel.parallel_do``: split, run, merge) with a choice
 of variable device and of reduction. Each global
 batch is split inside the step into one row shard per tower device (sizes differ by at
-most one row, ``input_pipeline.shard_rows``); each tower runs the forward pass and its
+most one row, ``tfpar.parallel.rows.split``); each tower runs the forward pass and its
 gradients on its own device against the ONE set of weights that lives on the variable
 device; the towers' gradients are summed, clipped by global norm and applied once::
 

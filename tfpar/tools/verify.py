@@ -45,6 +45,7 @@ from tfpar.objective import step
 from tfpar.objective.losses import perplexity, token_count
 from tfpar.objective.step import run_steps
 from tfpar.parallel.registry import build_strategy
+from tfpar.parallel.rows import Context, per_replica, pipeline_rows, replica_batches, with_rows
 from tfpar.parallel.cluster.local_job import plan_job, run_job
 from tfpar.parallel.pipeline.stages import even_stages
 from tfpar.parallel import devices as devices_lib
@@ -153,7 +154,7 @@ class Setup:
     clip_norm: float
     clip_norm_auto: bool
     # Sentence mode: train on the global batches this many input pipelines make
-    # (InputData.shared_batches), the reference of a multi_worker run.
+    # (shared_batches), the reference of a multi_worker run.
     shares: int = 1
 
     @property
@@ -166,11 +167,46 @@ class Setup:
             self.spec.precision)
 
     def train_batches(self, plugin, epoch: int):
-        return plugin.distribute(
-            lambda ctx: self.data.batches("train", training=True, epoch=epoch,
-                                          input_context=ctx, batch_size=self.spec.batch_size,
-                                          shares=self.shares)
-        )
+        size = self.spec.batch_size
+        if self.shares > 1 and self.data.reads_own_lines:
+            return plugin.distribute(lambda ctx: per_replica(
+                shared_batches(self.data, "train", size, self.shares, shuffle=True,
+                               epoch=epoch), ctx))
+        return plugin.distribute(lambda ctx: replica_batches(
+            self.data, "train", training=True, epoch=epoch, input_context=ctx,
+            batch_size=size))
+
+
+def shared_batches(data: InputData, split: str, batch_size: int, shares: int, *,
+                   shuffle: bool, epoch: int = 0) -> tf.data.Dataset:
+    """Global sentence-mode batches as ``shares`` input pipelines make them: batch k is
+    the rows of every pipeline's k-th batch (``tfpar.parallel.rows.pipeline_rows``), in
+    pipeline order, keyed by their global rows; a pipeline that has ended adds none.
+
+    What one device trains on to repeat a ``shares``-worker run exactly (the reference
+    of a multi_worker run)."""
+    ended = tf.data.Dataset.from_tensors(({
+        "inputs": tf.zeros([0, 1], tf.int32), "targets": tf.zeros([0, 1], tf.int32),
+        "rows": tf.zeros([0], tf.int32)}, False)).repeat()
+    parts = []
+    for index in range(shares):
+        first, rows = pipeline_rows(batch_size, Context(shares, shares, index))
+        ds = data.sentence_batches(split, rows, shuffle=shuffle, epoch=epoch,
+                                   pipelines=shares, index=index)
+        parts.append(ds.map(lambda b, first=first: (with_rows(b, first), True))
+                     .concatenate(ended))
+
+    def join(*parts_):
+        length = tf.reduce_max([tf.shape(b["targets"])[1] for b, _ in parts_])
+        out = {}
+        for key in ("inputs", "targets"):
+            out[key] = tf.concat([tf.pad(b[key], [[0, 0], [0, length - tf.shape(b[key])[1]]])
+                                  for b, _ in parts_], axis=0)
+        out["rows"] = tf.concat([b["rows"] for b, _ in parts_], axis=0)
+        return out
+
+    return tf.data.Dataset.zip(tuple(parts)).take_while(
+        lambda *parts_: tf.reduce_any(tf.stack([alive for _, alive in parts_]))).map(join)
 
 
 @dataclasses.dataclass

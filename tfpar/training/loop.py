@@ -25,6 +25,8 @@ from tfpar.errors import Interrupted, Preempted, TrainingError
 from tfpar.model.precision import loss_scaled
 from tfpar.objective.losses import perplexity
 from tfpar.objective.step import run_steps
+from tfpar.parallel.parameter_server import worker_batches
+from tfpar.parallel.rows import replica_batches
 from tfpar.training.hooks import CheckpointHook, ProgressHook, Record, SummaryHook, wall_time
 from tfpar.training.preemption import StopTogether
 from tfpar.training.schedule import applied_learning_rate
@@ -52,7 +54,8 @@ class Progress:
 def evaluate(plugin, eval_step, data, split: str, batch_size: int) -> tuple[float, float]:
     """Total (nll, tokens) of ``split``, distributed like training; ppl = exp(nll / tokens)."""
     batches = plugin.distribute(
-        lambda ctx: data.batches(split, training=False, input_context=ctx, batch_size=batch_size)
+        lambda ctx: replica_batches(data, split, training=False, input_context=ctx,
+                                    batch_size=batch_size)
     )
     nll = count = 0.0
     for out in run_steps(eval_step, batches, stream=data.config.mode == "stream"):
@@ -152,10 +155,10 @@ class Loop:
             self.checkpointer.save(self.step)
         return self.progress
 
-    def train_batches(self, epoch: int, skip: int, input_context=None, worker=None):
-        return self.data.batches("train", training=True, epoch=epoch, skip=skip,
-                                 input_context=input_context, worker=worker,
-                                 batch_size=self.config.train.batch_size)
+    def train_batches(self, epoch: int, skip: int, input_context=None):
+        return replica_batches(self.data, "train", training=True, epoch=epoch, skip=skip,
+                               input_context=input_context,
+                               batch_size=self.config.train.batch_size)
 
     def batches_left(self, epoch: int, skip: int) -> int:
         """The batches of ``epoch`` after the first ``skip`` (one pass of the input)."""
@@ -487,15 +490,20 @@ class AsyncLoop(Loop):
         files). More than one input's batches: a worker's share of a bucket fills fewer
         whole batches."""
         workers = self.plugin.num_workers
-        return sum(count_batches(self.train_batches(epoch, 0, worker=(workers, i)))
+        return sum(count_batches(self.worker_batches(epoch, 0, workers, i))
                    for i in range(workers)) - skip
+
+    def worker_batches(self, epoch: int, skip: int, workers: int, index):
+        return worker_batches(self.data, "train", training=True, epoch=epoch, skip=skip,
+                              batch_size=self.config.train.batch_size, workers=workers,
+                              index=index)
 
     def train_epoch(self, epoch: int, skip: int) -> None:
         cfg, coordinator = self.config, self.plugin
         todo = self.batches_left(epoch, skip)
         max_steps = cfg.train.max_steps
         iterators = coordinator.distribute_to_workers(
-            lambda ctx, worker: self.train_batches(epoch, skip, ctx, worker))
+            lambda workers, index: self.worker_batches(epoch, skip, workers, index))
         self.start_bar(todo, epoch)
         every = cfg.run.checkpoint_every or todo
         least = between_syncs = MIN_STEPS_PER_WORKER_BETWEEN_SYNCS * coordinator.num_workers

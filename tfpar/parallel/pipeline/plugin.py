@@ -8,8 +8,8 @@ part's weights live on its stage's device, and so do its forward ops and their g
 ops.
 
 One training step (GPipe: synchronous, the update equals one device's on the whole
-batch). The global batch is cut into M micro-batches of rows (``shard_rows``: sizes differ
-by at most one; an empty one is a padding row). Stage k runs micro-batch j as soon as
+batch). The global batch is cut into M micro-batches of rows (``tfpar.parallel.rows``:
+sizes differ by at most one; an empty one is a padding row). Stage k runs micro-batch j as soon as
 stage k-1 has handed it the activations of j, so while stage k+1 works on j, stage k
 already works on j+1. Backward runs the other way, micro-batch by micro-batch, each stage
 differentiating its own forward (one ``GradientTape`` per stage and micro-batch) given the
@@ -61,10 +61,10 @@ import tensorflow as tf
 
 from tfpar.objective import step
 from tfpar.config import DistConfig
-from tfpar.data.pipeline import shard_bounds, shard_rows, state_rows
 from tfpar.model.lm import EMBEDDING, SOFTMAX, rnn_name
 from tfpar.parallel import devices as devices_lib
 from tfpar.parallel.base import Parts, StrategyPlugin, parts_of
+from tfpar.parallel.rows import join, shard_bounds, shard_rows, state_rows
 from tfpar.parallel.pipeline.stages import (RNN_PART, Placement, Stage, part_of_path,
                                             placement_from_config)
 
@@ -392,7 +392,7 @@ class PipelinePlugin(StrategyPlugin):
             stage = next(s for s in self.stages if rnn_name(i) in s.parts)
             with tf.device(stage.device), tf.name_scope(f"join_state_{i}"):
                 finals = [outs[stage.index, j]["finals"][i] for j in range(len(mbs))]
-                layer = [tf.concat([f[n][:mb.size] for f, mb in zip(finals, mbs)], axis=0)
+                layer = [join([f[n] for f in finals], [mb.size for mb in mbs])
                          for n in range(len(finals[0]))]
             joined.append(step.detach_state(layer) if detach else layer)
         return joined

@@ -186,6 +186,7 @@ def build_tfpar(setup: Setup, name: str, dist, *, precision: str | None = None,
     :class:`MultiStepContender`, ``probe`` trains :data:`PROBE_MODEL` instead, ``fused``
     False computes the logits, then the cross-entropy (``--no-fused-softmax``)."""
     from tfpar.parallel.registry import build_strategy
+    from tfpar.parallel.rows import replica_batches
     from tfpar.training.state import build_train_state
 
     spec = setup.spec
@@ -198,8 +199,8 @@ def build_tfpar(setup: Setup, name: str, dist, *, precision: str | None = None,
     train_step = plugin.make_train_step(state.model, state.optimizer, clip_norm=5.0)
     data = setup.stream_data
     batches = iter(plugin.distribute(
-        lambda ctx: data.batches("train", training=True, input_context=ctx,
-                                 batch_size=spec.batch_size).repeat()))
+        lambda ctx: replica_batches(data, "train", training=True, input_context=ctx,
+                                    batch_size=spec.batch_size).repeat()))
     if steps_per_execution > 1:
         return MultiStepContender(name, plugin, state.model, state.optimizer, train_step,
                                   batches, steps_per_execution), plugin
