@@ -180,6 +180,37 @@ def test_the_count_and_the_gradient_sum_are_the_steps(name):
     assert calls_of("all_reduce", synchronous_path()) == []
 
 
+def definitions_of(name: str) -> list[str]:
+    """The modules that define a function or class ``name`` (at any depth)."""
+    return sorted(module for module, path in all_modules().items()
+                  for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                  if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name)
+
+
+def test_rows_are_cut_in_one_module():
+    """A global batch and its state are cut into replica shares by ``tfpar.parallel.rows``
+    alone (the plug-ins and verify's reference call it); the data, model, objective and
+    training layers cut no rows."""
+    for name in ("shard_bounds", "shard_rows", "state_rows", "per_replica"):
+        assert definitions_of(name) == ["tfpar.parallel.rows"], name
+        below = [m for m in calls_of(name) if m.startswith(
+            ("tfpar.data", "tfpar.model", "tfpar.objective", "tfpar.training"))]
+        assert below == [], name
+
+
+def test_the_runner_runs_and_the_step_steps():
+    """The host loop over batches and the in-graph multi-step loop are the training
+    layer's runner; the step module reads no iterator, and a plug-in does not build
+    steps (the step is built around a plug-in, not by it)."""
+    for name in ("run_steps", "make_train_steps", "CallOutput"):
+        assert definitions_of(name) == ["tfpar.training.runner"], name
+    objective = {n: p for n, p in all_modules().items() if n.startswith("tfpar.objective")}
+    assert calls_of("get_next_as_optional", objective) == []
+    for name in ("make_train_step", "make_eval_step"):
+        assert definitions_of(name) == ["tfpar.objective.step"] + (
+            ["tfpar.parallel.parameter_server"] if name == "make_eval_step" else []), name
+
+
 def test_the_call_finder_sees_a_second_call(tmp_path, monkeypatch):
     extra = tmp_path / "extra.py"
     extra.write_text("def f(o, g, b):\n    o.apply_gradients(g)\n    return token_count(b)\n")

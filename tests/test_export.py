@@ -20,6 +20,7 @@ from tfpar.model.lm import build_model
 from tfpar.parallel.registry import build_strategy
 from tfpar.training.loop import evaluate
 from tfpar.data.vocab import Vocab
+from tfpar.objective.step import make_eval_step
 import conftest
 from conftest import PINNED
 
@@ -137,7 +138,7 @@ def test_score_equals_tfpar_evaluation_of_the_same_sentences(exported):
     out = loaded.signatures["score"](text=tf.constant(LINES))
     np.testing.assert_array_equal(out["tokens"].numpy(), [len(l.split()) + 1 for l in LINES])
     plugin = build_strategy(DistConfig())
-    eval_step = plugin.make_eval_step(model)
+    eval_step = make_eval_step(plugin, model)
     for i, line in enumerate(LINES[:3]):  # sentence by sentence
         data = InputData({"train": LINES, "valid": [line], "test": [line]}, vocab,
                          config.data)

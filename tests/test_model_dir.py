@@ -4,7 +4,8 @@ import types
 
 import pytest
 
-from tfpar.training.loop import Interrupted, Loop
+from tfpar.errors import Interrupted
+from tfpar.training.stopping import StopHook, run_again
 
 
 def without_model_dir(args):
@@ -30,17 +31,17 @@ def test_a_run_without_model_dir_logs_the_one_it_made_and_how_to_resume(tiny_arg
                                          ("runs/x", "again")])
 def test_the_stop_message_names_the_model_dir_when_none_was_given(given, again):
     saved = []
-    loop = types.SimpleNamespace(
-        stop_signal=types.SimpleNamespace(received="SIGTERM"), step=7, together=None,
-        checkpointer=types.SimpleNamespace(directory="runs/x/checkpoints", save=saved.append),
-        config=types.SimpleNamespace(run=types.SimpleNamespace(model_dir=given)))
-    loop.run_again = lambda: Loop.run_again(loop)
-    loop.stopped_by_signal = lambda: Loop.stopped_by_signal(loop)
-    with pytest.raises(Interrupted) as stop:
-        Loop.check_stop_signal(loop)
+    checkpointer = types.SimpleNamespace(directory="runs/x/checkpoints", save=saved.append)
+    stop = StopHook(checkpointer, lambda: 7, run_again(given, checkpointer.directory))
+    stop()  # no signal yet: nothing happens
+    assert saved == []
+    stop.signal.received = "SIGTERM"
+    with pytest.raises(Interrupted) as stopped:
+        stop()
     assert saved == [7]
-    assert str(stop.value) == ("stopped by SIGTERM after step 7; checkpoint saved in "
-                               f"runs/x/checkpoints; run the same command {again} to resume")
+    assert str(stopped.value) == ("stopped by SIGTERM after step 7; checkpoint saved in "
+                                  f"runs/x/checkpoints; run the same command {again} to "
+                                  "resume")
 
 
 def test_the_progress_bar_shows_the_epochs_perplexity_so_far_per_token():

@@ -21,7 +21,6 @@ saved before them) must equal, bit for bit, a ``--max-steps 1`` run's.
 """
 
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -49,6 +48,7 @@ from tfpar.training import summaries
 from tfpar.training.checkpoints import Checkpointer
 from tfpar.training.loop import Loop, count_batches
 from tfpar.training.state import build_train_state, named_weights
+from tfpar.objective.step import make_eval_step, make_train_step
 
 MODEL = model_config(embed_dim=8, hidden_dim=8)
 VOCAB = 20
@@ -161,7 +161,7 @@ def check_non_finite_steps(state, run, stream_state=None):
 def test_a_non_finite_gradient_changes_no_weight_slot_or_counter(name):
     plugin = build_strategy(SYNC[name])
     state = build_train_state(plugin.scope(), MODEL, VOCAB, seed=0, make_optimizer=adam)
-    step = plugin.make_train_step(state.model, state.optimizer, clip_norm=CLIP)
+    step = make_train_step(plugin, state.model, state.optimizer, clip_norm=CLIP)
 
     def run(rows, _state=None):
         return step(distributed(plugin, rows))
@@ -180,7 +180,7 @@ def test_stream_mode_a_non_finite_window_changes_nothing(name):
     window starts from that same state and is applied."""
     plugin = build_strategy(SYNC[name])
     state = build_train_state(plugin.scope(), MODEL, VOCAB, seed=0, make_optimizer=adam)
-    step = plugin.make_train_step(state.model, state.optimizer, clip_norm=CLIP)
+    step = make_train_step(plugin, state.model, state.optimizer, clip_norm=CLIP)
 
     def run(rows, carried):
         return step(distributed(plugin, rows), carried)
@@ -238,7 +238,7 @@ def test_parameter_server_step_with_partitioned_variables_changes_nothing():
 def test_an_infinite_loss_with_a_finite_gradient_is_not_applied(name):
     plugin = build_strategy(SYNC[name])
     state = build_train_state(plugin.scope(), MODEL, VOCAB, seed=0, make_optimizer=adam)
-    step = plugin.make_train_step(state.model, state.optimizer, clip_norm=CLIP)
+    step = make_train_step(plugin, state.model, state.optimizer, clip_norm=CLIP)
     step(distributed(plugin, GOOD))
     bias = named_weights(state.model)["softmax:bias"]
     value = bias.numpy()
@@ -275,8 +275,8 @@ def stream_setup(tmp_path):
     loop = Loop(config, plugin, data, state,
                 Checkpointer(str(tmp_path), True, 1, **state.trackables()),
                 summaries.Writer(str(tmp_path), is_chief=False),
-                plugin.make_train_step(state.model, state.optimizer, clip_norm=CLIP),
-                plugin.make_eval_step(state.model))
+                make_train_step(plugin, state.model, state.optimizer, clip_norm=CLIP),
+                make_eval_step(plugin, state.model))
     windows = count_batches(data.batches("train", training=True, batch_size=4))
     return loop, state, windows
 
@@ -298,8 +298,7 @@ def test_stream_mode_stop_checkpoints_the_position_and_state_of_the_bad_window(t
     the (finite, non-zero) state it started from, so a resumed run retries that window
     exactly; not the NaN state it ended in, nor zeros."""
     loop, state, windows = stream_setup(tmp_path)
-    loop.config = dataclasses.replace(
-        loop.config, train=dataclasses.replace(loop.config.train, on_nan="stop"))
+    loop.non_finite.on_nan = "stop"  # the policy's --on-nan
     with pytest.raises(TrainingError, match="the update was not applied"):
         loop.train_epoch(0, 0)
     bad = state.step  # windows 0 .. bad-1 were applied

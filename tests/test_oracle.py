@@ -50,6 +50,7 @@ from tfpar.model.lm import build_model
 from tfpar.parallel.registry import build_strategy
 from tfpar.training.schedule import EpochSchedule, optimizer_factory
 from tfpar.training.state import build_train_state, named_weights
+from tfpar.objective.step import make_train_step
 
 SEED = 3
 V = 40
@@ -198,7 +199,7 @@ def tfpar_run(config: ModelConfig, weights, clip: float, dist=DistConfig(),
                               make_optimizer=make_optimizer, initial_weights=weights,
                               fixed_shapes=False)
     return Tfpar(plugin, state,
-                 plugin.make_train_step(state.model, state.optimizer, clip_norm=clip))
+                 make_train_step(plugin, state.model, state.optimizer, clip_norm=clip))
 
 
 def initial_weights(config: ModelConfig):

@@ -25,6 +25,7 @@ from tfpar.model.lm import build_model
 from tfpar.parallel.registry import build_strategy
 from tfpar.parallel.parallel_do import ParallelDo
 from tfpar.training.loop import evaluate
+from tfpar.objective.step import make_eval_step, make_train_step
 
 MODEL = model_config(embed_dim=16, hidden_dim=16)
 BATCH = 10
@@ -83,7 +84,7 @@ def trained(strategy, mode):
     returns the norms, weights, optimizer variables and eval totals (cached)."""
     plugin = build_strategy(dist_config(strategy))
     model, optimizer = build(plugin, mode)
-    steps = {clip: plugin.make_train_step(model, optimizer, clip_norm=clip)
+    steps = {clip: make_train_step(plugin, model, optimizer, clip_norm=clip)
              for clip in set(CLIPS)}
     state, norms, rows = None, [], []
     for batch, clip in zip(train_batches(mode), CLIPS):
@@ -92,7 +93,7 @@ def trained(strategy, mode):
         norms.append(float(out.grad_norm))
         rows.append(int(batch["targets"].shape[0]))
     data, _ = setup(mode)
-    eval_step = plugin.make_eval_step(model)
+    eval_step = make_eval_step(plugin, model)
     evals = {size: evaluate(plugin, eval_step, data, "valid", size) for size in (BATCH, 3)}
     return dict(norms=norms, rows=rows, weights=model.get_weights(),
                 slots=slots_of(optimizer),
@@ -153,7 +154,7 @@ def test_traced_step_runs_each_shard_on_its_device():
     model, optimizer = build(plugin, "sentence")
     for v in model.trainable_variables + optimizer.variables:
         assert v.value.device.endswith("CPU:3"), v.path
-    step = plugin.make_train_step(model, optimizer, clip_norm=1.0)
+    step = make_train_step(plugin, model, optimizer, clip_norm=1.0)
     ops = placed_ops(step.function.get_concrete_function(SPEC).graph.as_graph_def(),
                      ParallelDo.replica_scope)
     assert_replicas_placed(ops, CPU[:3])

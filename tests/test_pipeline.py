@@ -26,6 +26,7 @@ from tfpar.parallel.pipeline.plugin import PipelinePlugin
 from tfpar.parallel.pipeline.stages import Placement, Stage, parse_stages, placement_from_config
 from tfpar.tools.verify import run_plugin
 from tfpar.data.vocab import Vocab
+from tfpar.objective.step import make_eval_step, make_train_step
 
 MODEL = model_config(embed_dim=16, hidden_dim=16, layers=2)
 # The clip norm of the empty micro-batch tests below, under their first step's gradient
@@ -101,13 +102,13 @@ def build(dist, model_config=MODEL, momentum=0.0):
 
 def fresh(dist, clip=CLIP, model_config=MODEL):
     plugin, model, optimizer = build(dist, model_config)
-    return plugin, model, plugin.make_train_step(model, optimizer, clip_norm=clip)
+    return plugin, model, make_train_step(plugin, model, optimizer, clip_norm=clip)
 
 
 def clipped_and_unclipped_steps(dist):
     """SGD-momentum train steps of one model: clipped to CLIP, and with no clipping (0)."""
     plugin, model, optimizer = build(dist, momentum=0.5)
-    steps = [plugin.make_train_step(model, optimizer, clip_norm=clip) for clip in (CLIP, 0.0)]
+    steps = [make_train_step(plugin, model, optimizer, clip_norm=clip) for clip in (CLIP, 0.0)]
     return plugin, model, optimizer, steps
 
 
@@ -143,7 +144,7 @@ def test_stream_state_with_empty_micro_batches_keeps_the_global_rows():
     plugin, model, optimizer, steps = clipped_and_unclipped_steps(
         DistConfig(strategy="pipeline", stages=TWO, micro_batches=4))
     ref_plugin, ref_model, ref_optimizer, ref_steps = clipped_and_unclipped_steps(DistConfig())
-    evals = (plugin.make_eval_step(model), ref_plugin.make_eval_step(ref_model))
+    evals = (make_eval_step(plugin, model), make_eval_step(ref_plugin, ref_model))
     norms = []
     for pairs in ([evals] * 2, list(zip(steps, ref_steps))):
         state = ref_state = None
@@ -409,7 +410,7 @@ def test_stages_that_do_not_fit_the_model_fail_before_training(stages, match):
     with plugin.scope():
         model = build_model(MODEL, 20, seed=0)
     with pytest.raises(ConfigError, match=match) as err:
-        plugin.make_train_step(model, keras.optimizers.SGD(0.1), clip_norm=1.0)
+        make_train_step(plugin, model, keras.optimizers.SGD(0.1), clip_norm=1.0)
     assert "\n" not in str(err.value)
 
 

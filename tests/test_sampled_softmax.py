@@ -17,6 +17,7 @@ from tfpar.model.lm import build_model
 from tfpar.model.noise import Noise
 from tfpar.objective import losses, sampling, step
 from tfpar.parallel.registry import build_strategy
+from tfpar.objective.step import make_train_step
 
 KEY = tf.constant([3, 7], tf.int64)
 V = 60
@@ -173,7 +174,7 @@ def one_sgd_step(strategy: str, softmax: str, tie: bool):
 
     optimizer.update_step = spy
     before = [w.copy() for w in model.get_weights()]
-    train = plugin.make_train_step(model, optimizer, clip_norm=0.0)
+    train = make_train_step(plugin, model, optimizer, clip_norm=0.0)
     batches = plugin.distribute(
         lambda ctx: per_replica(tf.data.Dataset.from_tensors(BATCH), ctx))
     out = train(next(iter(batches)))

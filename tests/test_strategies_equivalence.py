@@ -22,6 +22,7 @@ from tfpar.parallel.registry import build_strategy
 from tfpar.training.loop import evaluate
 from tfpar.tools.verify import Setup, run_pipeline, run_plugin
 from tfpar.data.vocab import Vocab
+from tfpar.objective.step import make_eval_step
 
 MODEL = model_config(embed_dim=16, hidden_dim=16)
 BATCH = 10
@@ -71,7 +72,7 @@ def test_distributed_eval_equals_single_device_eval(strategy, replicas, mode):
         with plugin.scope():
             model = build_model(MODEL, len(s.data.vocab), seed=0)
             model.set_weights(s.initial_weights)
-        results.append(evaluate(plugin, plugin.make_eval_step(model), s.data, "valid", BATCH))
+        results.append(evaluate(plugin, make_eval_step(plugin, model), s.data, "valid", BATCH))
     (ref_nll, ref_count), (nll, count) = results
     assert count == ref_count > 0
     assert nll == pytest.approx(ref_nll, rel=1e-6)

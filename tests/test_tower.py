@@ -20,6 +20,7 @@ from tfpar.config import DataConfig, DistConfig
 from tfpar.errors import DeviceError
 from tfpar.data.pipeline import InputData
 from tfpar.model.lm import build_model
+from tfpar.objective.step import make_eval_step, make_train_step
 from tfpar.parallel.registry import build_strategy
 from tfpar.parallel.tower import TowerPlugin, default_variable_device, ring_all_reduce
 from tfpar.training.schedule import EpochSchedule, base_learning_rate
@@ -115,14 +116,14 @@ def build(plugin_or_dist, momentum=0.0):
 
 def fresh(plugin_or_dist, clip=CLIP):
     plugin, model, optimizer = build(plugin_or_dist)
-    return plugin, model, plugin.make_train_step(model, optimizer, clip_norm=clip)
+    return plugin, model, make_train_step(plugin, model, optimizer, clip_norm=clip)
 
 
 def clipped_then_unclipped(dist, batch):
     """Two SGD-momentum steps on ``batch``: clipped to CLIP, then with no clipping (0).
     Returns both steps' outputs, the weights and the optimizer's variables."""
     plugin, model, optimizer = build(dist, momentum=0.5)
-    outs = [plugin.make_train_step(model, optimizer, clip_norm=clip)(batch)
+    outs = [make_train_step(plugin, model, optimizer, clip_norm=clip)(batch)
             for clip in (CLIP, 0.0)]
     return outs, model.get_weights(), slots_of(optimizer)
 
@@ -155,7 +156,7 @@ def test_eval_state_with_empty_towers_keeps_the_global_rows():
     batch = batch_of([[5, 6, 7], [8, 9, 2], [4, 4, 4]])
     plugin, model, _ = fresh(DistConfig(strategy="tower", devices=tuple(CPU)))
     ref_plugin, ref_model, _ = fresh(DistConfig())
-    step, ref_step = plugin.make_eval_step(model), ref_plugin.make_eval_step(ref_model)
+    step, ref_step = make_eval_step(plugin, model), make_eval_step(ref_plugin, ref_model)
     state = ref_state = None
     for _ in range(2):  # The second window starts from the carried state.
         out, ref = step(batch, state), ref_step(batch, ref_state)
@@ -205,6 +206,7 @@ from tfpar.tools.cli import prepare_runtime
 from tfpar.config import DistConfig, ModelConfig
 from tfpar.model.lm import build_model
 from tfpar.parallel.registry import build_strategy
+from tfpar.objective.step import make_train_step
 import keras
 
 dist = DistConfig(strategy="tower", cpu_devices=3, devices=("/cpu:0", "/cpu:1"),
@@ -218,7 +220,7 @@ with plugin.scope():
     optimizer.build(model.trainable_variables)
 batch = {"inputs": tf.constant([[2, 5, 6], [2, 7, 0], [2, 8, 9]]),
          "targets": tf.constant([[5, 6, 2], [7, 2, 0], [8, 9, 2]])}
-plugin.make_train_step(model, optimizer, clip_norm=1.0)(batch)
+make_train_step(plugin, model, optimizer, clip_norm=1.0)(batch)
 """
 
 
@@ -309,15 +311,15 @@ def test_soft_placement_lets_a_tower_fall_back(soft_placement):
     falls back with it (TF1's allow_soft_placement), computing the same result."""
     batch = batch_of([[5, 6, 7, 2], [8, 9, 2, 0]])
     ref_plugin, ref_model, _ = fresh(DistConfig())
-    ref = ref_plugin.make_eval_step(ref_model)(batch)
+    ref = make_eval_step(ref_plugin, ref_model)(batch)
     plugin = TowerPlugin(["/device:GPU:63", CPU[1]], CPU[0], "controller")
     _, model, _ = fresh(plugin)
 
     soft_placement(False)
     with pytest.raises(tf.errors.InvalidArgumentError, match="GPU:63"):
-        plugin.make_eval_step(model)(batch)
+        make_eval_step(plugin, model)(batch)
     soft_placement(True)
-    out = plugin.make_eval_step(model)(batch)
+    out = make_eval_step(plugin, model)(batch)
     assert float(out.nll_sum) == pytest.approx(float(ref.nll_sum), rel=1e-6)
 
 

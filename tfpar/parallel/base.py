@@ -113,6 +113,10 @@ class StrategyPlugin(abc.ABC):
     def check_config(self, config) -> None:
         """Raises ``ConfigError`` for run settings this plug-in cannot honour."""
 
+    def bind(self, model) -> None:
+        """Called by the step before it is traced for ``model`` (the pipeline resolves its
+        stages here, so a ``--stages`` the model cannot honour fails before tracing)."""
+
     def describe(self) -> str:
         return f"{self.name}: {self.num_replicas} replica(s) on {', '.join(self.devices)}"
 
@@ -186,17 +190,3 @@ class StrategyPlugin(abc.ABC):
     def local_state(self, state):
         """The global batch's state → this plug-in's form (inverse of global_state)."""
         return state
-
-    # -- the one step, wrapped around the pieces
-    def make_train_step(self, model, optimizer, *, clip_norm: float) -> TrainStep:
-        """``step(batch, state) -> StepOutput`` that updates the model once."""
-        return step.make_train_step(self, model, optimizer, clip_norm=clip_norm)
-
-    def make_train_steps(self, model, optimizer, *, clip_norm: float):
-        """``steps(iterator, state, n) -> CallOutput``: up to n updates per call
-        (``--steps-per-execution``; ``tfpar.objective.step.make_train_steps``)."""
-        return step.make_train_steps(self, model, optimizer, clip_norm=clip_norm)
-
-    def make_eval_step(self, model) -> TrainStep:
-        """``step(batch, state) -> StepOutput`` without gradients (no grad_norm)."""
-        return step.make_eval_step(self, model)

@@ -227,7 +227,7 @@ class Coordinator:
 
     Not a :class:`~tfpar.parallel.base.StrategyPlugin`: there is no synchronous update
     to place and aggregate. It offers what the asynchronous loop
-    (``tfpar.training.loop.AsyncLoop``) needs: a scope for the variables, per-worker input,
+    (``tfpar.training.async_loop.AsyncLoop``) needs: a scope for the variables, per-worker input,
     a step that schedules, ``join`` and ``fetch``, and an exact evaluation.
     """
 

@@ -53,7 +53,7 @@ STRATEGIES: dict[str, Strategy] = {
                             splits_threads=True),
 }
 # Strategies that train asynchronously, with no synchronous update to place (their own
-# loop, tfpar.training.loop.AsyncLoop); ``build`` makes the coordinator.
+# loop, tfpar.training.async_loop.AsyncLoop); ``build`` makes the coordinator.
 ASYNCHRONOUS: dict[str, Strategy] = {
     "parameter_server": Strategy(parameter_server.build_coordinator, cluster=True),
 }

@@ -48,7 +48,6 @@ import numpy as np
 import tensorflow as tf
 
 from tfpar.config import DistConfig
-from tfpar.objective import step
 from tfpar.parallel import devices as devices_lib
 from tfpar.parallel.parallel_do import ParallelDo
 

@@ -49,6 +49,7 @@ def _train_step(stages: str, micro_batches: int, model_config, vocab_size: int, 
     import keras
 
     from tfpar.config import DistConfig
+    from tfpar.objective.step import make_train_step
     from tfpar.parallel.registry import build_strategy
     from tfpar.training.state import build_train_state
 
@@ -56,7 +57,7 @@ def _train_step(stages: str, micro_batches: int, model_config, vocab_size: int, 
                                        micro_batches=micro_batches))
     state = build_train_state(plugin.scope(), model_config, vocab_size, seed=seed,
                               make_optimizer=lambda epoch, lr_scale: keras.optimizers.SGD(0.01))
-    step = plugin.make_train_step(state.model, state.optimizer, clip_norm=5.0)
+    step = make_train_step(plugin, state.model, state.optimizer, clip_norm=5.0)
     return step, len(plugin.stages)
 
 

@@ -76,6 +76,7 @@ def evaluate_model_dir(args) -> dict:
     from tfpar.data.pipeline import InputData
     from tfpar.data.sources import load_corpus
     from tfpar.data.vocab import Vocab
+    from tfpar.objective.step import make_eval_step
     from tfpar.parallel.registry import build_strategy
     from tfpar.training.loop import evaluate
     from tfpar.training.state import build_train_state
@@ -93,7 +94,7 @@ def evaluate_model_dir(args) -> dict:
     restore_weights(state.trackables()["layers"], ckpt)
     corpus = load_corpus(config.data, seed=config.train.seed)
     data = InputData(corpus.splits, vocab, config.data, seed=config.train.seed)
-    nll, tokens = evaluate(plugin, plugin.make_eval_step(model), data, args.split, batch)
+    nll, tokens = evaluate(plugin, make_eval_step(plugin, model), data, args.split, batch)
     return {"model": ckpt, "corpus": corpus.name, "strategy": plugin.name,
             "replicas": plugin.num_replicas, "nll": nll, "tokens": tokens}
 

@@ -43,7 +43,6 @@ from tfpar.model.lm import build_model
 from tfpar.model.precision import with_loss_scaling
 from tfpar.objective import step
 from tfpar.objective.losses import perplexity, token_count
-from tfpar.objective.step import run_steps
 from tfpar.parallel.registry import build_strategy
 from tfpar.parallel.rows import Context, per_replica, pipeline_rows, replica_batches, with_rows
 from tfpar.parallel.cluster.local_job import plan_job, run_job
@@ -52,6 +51,8 @@ from tfpar.parallel import devices as devices_lib
 from tfpar.tools.cli import run_main, setup_logging
 from tfpar.training.loop import evaluate
 from tfpar.training.state import build_train_state
+from tfpar.objective.step import make_eval_step, make_train_step
+from tfpar.training.runner import run_steps
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +316,7 @@ def run_plugin(setup: Setup, dist: DistConfig) -> RunResult:
                               seed=setup.spec.seed, initial_weights=setup.initial_weights,
                               make_optimizer=lambda epoch, lr_scale: setup.make_optimizer(),
                               fixed_shapes=setup.spec.mode == "stream")
-    train_step = plugin.make_train_step(state.model, state.optimizer,
+    train_step = make_train_step(plugin, state.model, state.optimizer,
                                         clip_norm=setup.clip_norm)
     norms: list[float] = []
     for epoch in itertools.count():
@@ -326,7 +327,7 @@ def run_plugin(setup: Setup, dist: DistConfig) -> RunResult:
                 break
         if len(norms) == setup.spec.steps:
             break
-    nll, count = evaluate(plugin, plugin.make_eval_step(state.model), setup.data, "valid",
+    nll, count = evaluate(plugin, make_eval_step(plugin, state.model), setup.data, "valid",
                           setup.spec.batch_size)
     return RunResult(state.model.get_weights(), nll, count, norms,
                      time.perf_counter() - start,

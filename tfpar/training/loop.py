@@ -1,10 +1,13 @@
 """The epoch/step loop: one path records every step; periodic work is hooks.
 
-``Loop`` runs synchronous plug-ins (one step, one result); ``AsyncLoop`` runs
-parameter-server training (steps scheduled on workers, results read at sync points).
-Both hand what finished to :meth:`Loop.record`, which checks it, keeps the run's totals
-and calls every hook with one :class:`Record`: summaries, the progress bar and periodic
-checkpoints are hooks, not branches of the loop.
+``Loop`` runs synchronous plug-ins (one step, one result); ``AsyncLoop``
+(``tfpar.training.async_loop``) runs parameter-server training (steps scheduled on
+workers, results read at sync points). Both hand what finished to :meth:`Loop.record`,
+which checks it, keeps the run's totals and calls every hook with one :class:`Record`:
+summaries, the progress bar and periodic checkpoints are hooks, not branches of the loop.
+The loop's other pieces have one job each: the stream state it carries
+(``tfpar.training.carry``), the non-finite policy (``tfpar.training.nonfinite``) and the
+stop signal (``tfpar.training.stopping``).
 """
 
 from __future__ import annotations
@@ -14,22 +17,21 @@ import json
 import logging
 import math
 import os
-import signal
-import threading
 import time
 
 import numpy as np
 import tensorflow as tf
 
-from tfpar.errors import Interrupted, Preempted, TrainingError
 from tfpar.model.precision import loss_scaled
 from tfpar.objective.losses import perplexity
-from tfpar.objective.step import run_steps
-from tfpar.parallel.parameter_server import worker_batches
 from tfpar.parallel.rows import replica_batches
+from tfpar.training.carry import StreamCarry
 from tfpar.training.hooks import CheckpointHook, ProgressHook, Record, SummaryHook, wall_time
-from tfpar.training.preemption import StopTogether
+from tfpar.training.nonfinite import (NonFinitePolicy, is_finite, keeps_state,
+                                      restart_state_after_non_finite)
+from tfpar.training.runner import run_steps
 from tfpar.training.schedule import applied_learning_rate
+from tfpar.training.stopping import StopHook, run_again
 
 log = logging.getLogger(__name__)
 # The progress bar counts an epoch's batches beforehand up to this train-split size.
@@ -79,6 +81,9 @@ def append_epoch_metrics(model_dir: str, line: dict) -> None:
 class Loop:
     """Epochs of synchronous steps; see the module docstring."""
 
+    #: A stop signal to this process stops the whole job (the parameter-server chief).
+    job_chief = False
+
     def __init__(self, config, plugin, data, state, checkpointer, writer, train_step,
                  eval_step, train_steps=None, *, cluster_resolver=None):
         self.config, self.plugin, self.data, self.state = config, plugin, data, state
@@ -89,23 +94,22 @@ class Loop:
         self.train_steps = train_steps
         self.progress = Progress()
         self.last_epoch_batches = 0  # batches of the last whole epoch (the bar's total)
-        self.bad_in_a_row = 0  # non-finite batches since the last finite one
-        self.carrying = None  # stream mode: the state the next window starts from
-        self.carried_in = None  # and the state the last window started from
-        self.first_bad = (0, None)  # position and state of the first of bad_in_a_row
+        self.stream = config.data.mode == "stream"
+        self.carry = StreamCarry(plugin, state, stream=self.stream)
+        checkpointer.before_save = self.carry.store
+        self.non_finite = NonFinitePolicy(config.train, checkpointer, state, self.carry,
+                                          self.progress)
+        # A multi-worker job's cluster (None: one process): a stop signal then stops
+        # every worker after the same call (tfpar.training.preemption), not this one.
+        self.stop = StopHook(checkpointer, lambda: self.step,
+                             run_again(config.run.model_dir, checkpointer.directory),
+                             cluster_resolver=cluster_resolver, job_chief=self.job_chief)
         self.epoch_began = (time.perf_counter(), Progress())  # for the epoch's log line
         self.started, self.timed_out = time.monotonic(), False  # for --time-limit
         # --early-stop: set (and logged) at an epoch end, or here when a resumed run's
         # checkpoint had reached the patience already; read by done() at every step.
         self.stopped_early = False
         self.check_early_stop()
-        checkpointer.before_save = self.store_carry
-        # A multi-worker job's cluster (None: one process): a stop signal then stops
-        # every worker after the same call (tfpar.training.preemption), not this one.
-        self.cluster_resolver = cluster_resolver
-        self.stop_signal = StopSignal() if cluster_resolver is None else StopSignal(
-            "every worker of the job stops after the same step, agreed on now")
-        self.together: StopTogether | None = None
         self.bar = ProgressHook(config.run.progress_every) if config.run.progress else None
         self.hooks = [SummaryHook(writer, config.run.log_every),
                       CheckpointHook(checkpointer, config.run.checkpoint_every)]
@@ -134,12 +138,7 @@ class Loop:
         return False
 
     def run(self) -> Progress:
-        with self.stop_signal:
-            if self.cluster_resolver is not None:
-                self.together = StopTogether(
-                    self.cluster_resolver, self.stop_signal,
-                    save=lambda: self.checkpointer.save(self.step), error=self.preempted,
-                    checkpoint_dir=self.checkpointer.directory)
+        with self.stop:
             cfg = self.config.train
             while int(self.state.epoch.numpy()) < cfg.epochs and not self.done():
                 epoch = int(self.state.epoch.numpy())
@@ -150,8 +149,7 @@ class Loop:
                 if self.done() and int(self.state.batch_in_epoch.numpy()) != 0:
                     break
                 self.end_epoch(epoch)
-            if self.together is not None:
-                self.together.close()
+            self.stop.close()
             self.checkpointer.save(self.step)
         return self.progress
 
@@ -186,20 +184,18 @@ class Loop:
         batches = self.plugin.distribute(lambda ctx: self.train_batches(epoch, skip, ctx))
         if self.bar is not None:
             self.start_bar(self.bar_total(epoch, skip), epoch)
-        stream = self.config.data.mode == "stream"
+        stream = self.stream
         train_step = restart_state_after_non_finite(self.train_step, self.loss_scaled) \
             if stream else self.train_step
         # A resumed epoch starts from the state its checkpoint carried; a new one from 0.
-        initial = self.plugin.local_state(self.state.carried()) if stream and skip else None
-        self.carrying = initial
+        initial = self.carry.resume(skip)
         if self.train_steps is not None:
             self.train_in_calls(iter(batches), train_step, stream)
             return
         start = time.perf_counter()
         for out in run_steps(train_step, batches, stream=stream, initial_state=initial):
             now = time.perf_counter()
-            self.carried_in = self.carrying  # the state this window started from
-            self.carrying = out.state if stream else None
+            self.carry.advance(out.state)
             self.record([out], now - start)
             start = now
             if self.done():
@@ -218,34 +214,29 @@ class Loop:
 
     def train_in_calls(self, iterator, train_step, stream: bool) -> None:
         """The epoch's steps, up to --steps-per-execution per call (see
-        ``tfpar.objective.step.make_train_steps``). A stream's first window (from zeros,
+        ``tfpar.training.runner.make_train_steps``). A stream's first window (from zeros,
         or after a non-finite one) runs alone with the one-step function."""
+        carry = self.carry
         while not self.done():
             start = time.perf_counter()
-            if stream and self.carrying is None:
+            if stream and carry.current is None:
                 try:
                     batch = next(iterator)
                 except StopIteration:
                     return
                 out = train_step(batch, None)
-                self.carried_in, self.carrying = None, out.state
+                carry.after_call(None, out.state)
                 self.record([out], time.perf_counter() - start)
                 continue
-            call = self.train_steps(iterator, self.carrying, self.steps_in_next_call())
+            call = self.train_steps(iterator, carry.current, self.steps_in_next_call())
             if not call.outputs:
                 return
-            self.carried_in = call.last_state_in  # the last window's start (non_finite)
-            self.carrying = call.state
+            carry.after_call(call.last_state_in, call.state)
             if stream and not keeps_state(call.outputs[-1], self.loss_scaled):
-                self.carrying = None  # restart_state_after_non_finite, as for one step
+                carry.restart()  # restart_state_after_non_finite, as for one step
             self.record(call.outputs, time.perf_counter() - start, per_step=True)
             if call.exhausted:
                 return
-
-    def store_carry(self) -> None:
-        """Before a checkpoint: the carried stream state, in global form, into the state."""
-        if self.state.carry:
-            self.state.store_carry(self.plugin.global_state(self.carrying))
 
     def record(self, outputs: list, seconds: float, *, per_step: bool = False) -> None:
         """The one place finished steps go: non-finite ones are reported (``--on-nan``),
@@ -267,7 +258,7 @@ class Loop:
             for i, out in enumerate(outputs):
                 step += is_finite(out)
                 self._record([out], seconds / len(outputs), step, position + i, warm)
-        self.check_stop_signal()
+        self.stop()
 
     def _record(self, outputs: list, seconds: float, step: int, position: int,
                 warm: bool) -> None:
@@ -283,7 +274,7 @@ class Loop:
             else:
                 self.non_finite(step, nll, norm, position + i)
         if finite:
-            self.bad_in_a_row = 0
+            self.non_finite.finite()
             r = Record(step=step, steps=len(outputs), nll=sum(f[0] for f in finite),
                        count=sum(f[1] for f in finite),
                        grad_norm=sum(f[2] for f in finite) / len(finite), seconds=seconds,
@@ -361,209 +352,10 @@ class Loop:
         self.last_epoch_batches = int(self.state.batch_in_epoch.numpy())
         self.state.epoch.assign(epoch + 1)
         self.state.batch_in_epoch.assign(0)
-        self.carrying = None  # the next epoch starts from zeros
+        self.carry.restart()  # the next epoch starts from zeros
         if best:  # first: a kill between the two saves repeats the epoch end, both saves
             self.checkpointer.save_best(self.step)
         self.checkpointer.save(self.step)
-
-    def rewind_to_first_bad(self) -> None:
-        """Sets the input position (and carried state) back to the first batch of the
-        current run of non-finite ones: what the give-up checkpoint records."""
-        position, carried_in = self.first_bad
-        self.state.batch_in_epoch.assign(position)
-        self.carrying = carried_in
-
-    def check_stop_signal(self) -> None:
-        """After every train call: a stop signal checkpoints this step and raises
-        Interrupted; in a multi-worker job every worker does so after the same call,
-        raising Preempted, whichever worker got the signal."""
-        if self.together is not None:
-            self.together.check()
-            return
-        if self.stop_signal.received:
-            self.checkpointer.save(self.step)
-            raise self.stopped_by_signal()
-
-    def stopped_by_signal(self) -> Interrupted:
-        """The error a stop signal ends a one-process run with, its checkpoint saved."""
-        return Interrupted(
-            f"stopped by {self.stop_signal.received} after step {self.step}; checkpoint "
-            f"saved in {self.checkpointer.directory}; run the same command "
-            f"{self.run_again()} to resume")
-
-    def run_again(self) -> str:
-        """How the same command resumes: "again", or with the --model-dir flag when the
-        model dir was the default one (new for every run)."""
-        return ("again" if self.config.run.model_dir else
-                f"with --model-dir {os.path.dirname(self.checkpointer.directory)}")
-
-    def preempted(self) -> Preempted:
-        """The error every worker of a multi-worker job raises at the agreed step."""
-        who = (f"{self.stop_signal.received} reached this worker" if self.stop_signal.received
-               else "a stop signal reached another worker")
-        return Preempted(
-            f"preempted: {who}; every worker stopped after step {self.step} and the "
-            f"checkpoint of that step is saved in {self.checkpointer.directory}; run the "
-            f"same command {self.run_again()} on every worker to resume (exit status "
-            f"{Preempted.exit_code})")
-
-    def non_finite(self, step: int, nll: float, norm: float, position: int) -> None:
-        """A batch (the ``position``-th of its epoch) gave a non-finite loss or gradient;
-        its update was not applied (the one step's finite guard), so the weights are
-        still the last good ones. Giving up (``stop``, or ``--nan-patience`` bad batches
-        in a row) checkpoints them with the input position of the first bad batch (and,
-        in stream mode, the state it started from), so a resumed run, say with a lower
-        --lr, tries those batches again."""
-        what = f"non-finite loss or gradient in the batch after step {step} (loss {nll}, " \
-               f"gradient norm {norm})"
-        self.bad_in_a_row += 1
-        if self.bad_in_a_row == 1:
-            self.first_bad = (position, self.carried_in)
-        patience = self.config.train.nan_patience
-        if self.config.train.on_nan == "stop" or (patience and self.bad_in_a_row >= patience):
-            self.rewind_to_first_bad()
-        if self.config.train.on_nan == "stop":
-            self.checkpointer.save(step)  # the last good weights (no-op if saved already)
-            raise TrainingError(f"{what}; the update was not applied and the weights of "
-                                f"step {step} are checkpointed in {self.checkpointer.directory}. "
-                                "Lower --lr or --clip-norm, or pass --on-nan skip to drop "
-                                "such batches")
-        if patience and self.bad_in_a_row >= patience:
-            self.checkpointer.save(step)
-            raise TrainingError(f"{self.bad_in_a_row} non-finite batches in a row after step "
-                                f"{step} (--nan-patience {patience}): giving up; the weights "
-                                f"of step {step} are checkpointed in "
-                                f"{self.checkpointer.directory}. Lower --lr or --clip-norm")
-        self.progress.skipped += 1
-        log.warning("%s: skipped (--on-nan skip)", what)
-
-
-def is_finite(out) -> bool:
-    """Whether a step's loss and gradient norm are both finite (what :meth:`Loop.record`
-    accepts)."""
-    return math.isfinite(float(out.nll_sum)) and math.isfinite(float(out.grad_norm))
-
-
-def keeps_state(out, loss_scaled: bool) -> bool:
-    """Whether the next stream window starts from the state ``out``'s window ended in:
-    yes after a finite step, and after a loss-scale skip (finite loss, overflowing scaled
-    gradient: the forward pass, hence the state, was finite)."""
-    return is_finite(out) or (loss_scaled and math.isfinite(float(out.nll_sum)))
-
-
-def restart_state_after_non_finite(train_step, loss_scaled: bool = False):
-    """Stream mode: the window after a non-finite one starts from a zero state.
-
-    A window whose loss or gradient is not finite usually ends in a NaN/inf recurrent
-    state too; carried on, it would make every later window of the epoch non-finite (all
-    skipped under --on-nan skip). The next window starts afresh instead, as an epoch does
-    (not after a loss-scale skip, see :func:`keeps_state`).
-    """
-
-    def step(batch, state=None):
-        out = train_step(batch, state)
-        return out if keeps_state(out, loss_scaled) else dataclasses.replace(out, state=None)
-
-    return step
-
-
-# Parameter-server training: sync points about this often, so a stop signal is acted on
-# within seconds (a preemption's grace period is tens of seconds), while each sync point,
-# which leaves the workers idle for a moment, stays rare; never fewer steps per worker
-# between two than the minimum below.
-SECONDS_BETWEEN_SYNCS = 5.0
-MIN_STEPS_PER_WORKER_BETWEEN_SYNCS = 16
-
-
-class AsyncLoop(Loop):
-    """Parameter-server training: schedules steps without waiting for any, and reads
-    their results only at sync points - every --checkpoint-every steps, at the epoch end
-    and about every ``SECONDS_BETWEEN_SYNCS`` (the steps that take, measured) - once the
-    coordinator has waited for all of them. Summaries are therefore written per sync
-    point that reaches a --log-every multiple. A stop signal on the chief is a preemption
-    of the job: the chief checkpoints at the next sync point and exits 75 (the worker and
-    ps tasks stop serving when they are sent theirs)."""
-
-    def batches_left(self, epoch: int, skip: int) -> int:
-        """The batches the workers make of ``epoch``, after the job's first ``skip``: the
-        sum of each worker's own (one pass over the corpus when they read their own
-        files). More than one input's batches: a worker's share of a bucket fills fewer
-        whole batches."""
-        workers = self.plugin.num_workers
-        return sum(count_batches(self.worker_batches(epoch, 0, workers, i))
-                   for i in range(workers)) - skip
-
-    def worker_batches(self, epoch: int, skip: int, workers: int, index):
-        return worker_batches(self.data, "train", training=True, epoch=epoch, skip=skip,
-                              batch_size=self.config.train.batch_size, workers=workers,
-                              index=index)
-
-    def train_epoch(self, epoch: int, skip: int) -> None:
-        cfg, coordinator = self.config, self.plugin
-        todo = self.batches_left(epoch, skip)
-        max_steps = cfg.train.max_steps
-        iterators = coordinator.distribute_to_workers(
-            lambda workers, index: self.worker_batches(epoch, skip, workers, index))
-        self.start_bar(todo, epoch)
-        every = cfg.run.checkpoint_every or todo
-        least = between_syncs = MIN_STEPS_PER_WORKER_BETWEEN_SYNCS * coordinator.num_workers
-        while todo > 0 and not self.done():
-            start = time.perf_counter()
-            # A sync point at every checkpoint step, and every few seconds between.
-            scheduled = min(todo, every - self.step % every, between_syncs)
-            if max_steps:
-                # At most the updates still missing; a skipped (non-finite) step is not
-                # one, so after a sync point with skips the epoch goes on, as in Loop.
-                scheduled = min(scheduled, max_steps - self.step)
-            futures = [self.train_step(iterators) for _ in range(scheduled)]
-            coordinator.join()
-            outputs = [coordinator.fetch(f) for f in futures]
-            seconds = time.perf_counter() - start
-            self.record(outputs, seconds)
-            todo -= scheduled
-            between_syncs = max(least, int(scheduled * SECONDS_BETWEEN_SYNCS / seconds))
-
-    def stopped_by_signal(self) -> Preempted:
-        """A stop signal on the chief stops the job, at a sync point: every scheduled step
-        is done (joined) and the checkpoint of this step saved."""
-        return Preempted(
-            f"preempted: {self.stop_signal.received} reached the chief; the coordinator "
-            f"stopped after step {self.step} (every scheduled step done) and the checkpoint "
-            f"of that step is saved in {self.checkpointer.directory}; start the job again "
-            f"(the same command on every task, {self.run_again()} on the chief) to resume "
-            f"(exit status {Preempted.exit_code})")
-
-
-class StopSignal:
-    """Turns SIGINT/SIGTERM into a flag the loop checks after each step.
-
-    Training then stops cleanly: the step in flight finishes, a checkpoint is written,
-    and the run exits saying how to resume. A second signal interrupts at once.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self, then: str = "stopping after this step"):
-        self.received: str | None = None
-        self.then = then  # what the warning on the first signal says happens next
-        self._previous = {}
-
-    def _handle(self, signum, frame):
-        if self.received:
-            raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
-        log.warning("%s received: %s", self.received, self.then)
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        return False
 
 
 def count_batches(dataset: tf.data.Dataset) -> int:

@@ -38,6 +38,7 @@ from tfpar.parallel.registry import build_strategy
 from tfpar.training import checkpoints, stored
 from tfpar.training.loop import evaluate
 from tfpar.training.state import build_train_state
+from tfpar.objective.step import make_eval_step
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class Evaluator:
         self.state = build_train_state(self.plugin.scope(), config.model, len(vocab),
                                        seed=config.train.seed,
                                        fixed_shapes=config.data.mode == "stream")
-        self.eval_step = self.plugin.make_eval_step(self.state.model)
+        self.eval_step = make_eval_step(self.plugin, self.state.model)
 
     def valid_perplexity(self, path: str) -> float:
         """Restores checkpoint ``path``'s weights and evaluates them on valid."""

@@ -20,6 +20,10 @@ outside any strategy. That works the same under every strategy plug-in (no plug-
 has to return more, no extra all-reduce or device-to-host copy per step), and the fixed
 batch makes the values comparable from epoch to epoch. The global norm of every *training*
 step is the per-step ``grad_norm`` scalar. The same copy generates the text samples.
+
+This module is the event writer; the inspection (``tfpar.training.inspector``) and the
+graph and profiler hooks around the step functions (``tfpar.training.profiling``) are
+modules of their own.
 """
 
 from __future__ import annotations
@@ -31,13 +35,11 @@ from typing import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tfpar.model.lm import detached_copy
-from tfpar.objective import step
-from tfpar.serving import sample
+from tfpar.training.inspector import EpochInspector
+from tfpar.training.profiling import CallHooks, StepHooks
 
 log = logging.getLogger(__name__)
 RUNS = ("train", "eval")
-SAMPLE_TOKENS = 30
 
 
 class Writer:
@@ -158,153 +160,3 @@ class Writer:
 
     def file_writer(self, run: str):
         return self._writers.get(run)
-
-
-class StepHooks:
-    """A train step that writes its graph once and runs the profiler over steps A..B.
-
-    The profiler starts right *after* step A - 1, so the fetch of step A's batch from the
-    input pipeline (``Iterator::…`` events) is inside the trace, and stops after step B.
-    The trace lands in ``<model_dir>/train/plugins/profile/<session>/``, where TensorBoard's
-    profile plugin finds it.
-    """
-
-    graph_name = "train_step"
-
-    def __init__(self, writer: Writer, step_fn, next_step: Callable[[], int],
-                 profile_steps: tuple[int, ...]):
-        self.writer, self.step_fn, self.next_step = writer, step_fn, next_step
-        self.profile = profile_steps
-        self.function = getattr(step_fn, "function", None)
-        self._graph_written = False
-        self._profiler = _ProfilerState()
-        self.logdir = os.path.join(writer.model_dir, "train")
-
-    def share_profiler(self, other: "StepHooks") -> None:
-        """One profiler session for both hooks (TF runs one per process)."""
-        self._profiler = other._profiler
-
-    def __call__(self, *args, **kwargs):
-        step = self.next_step()
-        if self.profile and self.profile[0] <= step <= self.profile[1]:
-            self.start_profiler()
-        if self._graph_written:
-            out = self.step_fn(*args, **kwargs)
-        else:
-            out = self._traced(step, *args, **kwargs)
-        if self.profile and step >= self.profile[1]:
-            self.stop_profiler()
-        elif self.profile and step + 1 == self.profile[0]:
-            self.start_profiler()
-        return out
-
-    def _traced(self, step: int, *args, **kwargs):
-        """Runs the first step with graph collection on and writes the graph."""
-        tf.summary.trace_on(graph=True, profiler=False)
-        try:
-            out = self.step_fn(*args, **kwargs)
-        except BaseException:
-            tf.summary.trace_off()
-            raise
-        with self.writer.file_writer("train").as_default(step=step):
-            tf.summary.trace_export(self.graph_name, step=step)
-        self._graph_written = True
-        return out
-
-    def start_profiler(self) -> None:
-        p = self._profiler
-        if p.running or p.done:
-            return
-        try:
-            tf.profiler.experimental.start(self.logdir)
-        except tf.errors.AlreadyExistsError:
-            log.warning("another profiler is running in this process; --profile-steps skipped")
-            p.done = True
-            return
-        p.running = True
-        log.info("profiling steps %d-%d into %s", self.profile[0], self.profile[1], self.logdir)
-
-    def stop_profiler(self) -> None:
-        p = self._profiler
-        if p.running:
-            tf.profiler.experimental.stop()
-            p.running, p.done = False, True
-
-
-class _ProfilerState:
-    """Whether the ``--profile-steps`` session is running, or has run."""
-
-    def __init__(self):
-        self.running = False
-        self.done = False
-
-
-class CallHooks(StepHooks):
-    """:class:`StepHooks` for ``steps(iterator, state, n)``, a call that runs steps
-    ``next_step()`` .. ``next_step() + n - 1``: its graph is the multi-step loop's
-    (``train_steps``), and the profiler covers every call with a step in A..B."""
-
-    graph_name = "train_steps"
-
-    def __call__(self, iterator, state, n: int):
-        first = self.next_step()
-        last = first + n - 1
-        if self.profile and first <= self.profile[1] and last >= self.profile[0]:
-            self.start_profiler()
-        if self._graph_written:
-            out = self.step_fn(iterator, state, n)
-        else:
-            out = self._traced(first, iterator, state, n)
-        if self.profile and last >= self.profile[1]:
-            self.stop_profiler()
-        return out
-
-
-class EpochInspector:
-    """A copy of the model outside any strategy, for the per-epoch gradient norms of one
-    fixed train batch and for text samples (see the module docstring)."""
-
-    def __init__(self, config, vocab, data):
-        self.config, self.vocab, self.data = config, vocab, data
-        self.copy = detached_copy(config.model, len(vocab), seed=config.train.seed,
-                                  fixed_shapes=config.data.mode == "stream")
-        self.sampler = sample.Sampler(self.copy, vocab)
-        self._batch = None
-        copy = self.copy
-
-        @tf.function(reduce_retracing=True)
-        def norms(batch):
-            count = tf.reduce_sum(tf.cast(batch["targets"] != 0, tf.float32))
-            grads, _, _, _ = step.replica_gradients(copy, batch, count, training=False)
-            # A sampled softmax's sparse rows: the norm of the summed rows, never densified.
-            return tf.stack([tf.sqrt(step.squared_norm(step.deduplicate(g)))
-                             if isinstance(g, tf.IndexedSlices) else tf.norm(g) for g in grads])
-
-        self._norms = norms
-
-    def refresh(self, model) -> None:
-        """Copies the current weights of the (possibly distributed) model."""
-        self.copy.set_weights(model.get_weights())
-
-    def batch(self) -> dict:
-        """The first unshuffled global train batch, fetched once."""
-        if self._batch is None:
-            ds = self.data.batches("train", training=False,
-                                   batch_size=self.config.train.batch_size)
-            self._batch = next(iter(ds.take(1)))
-        return self._batch
-
-    def gradient_norms(self, model) -> dict[str, float]:
-        """``variable path -> gradient norm``, named after ``model``'s variables."""
-        values = self._norms(self.batch()).numpy()
-        return {v.path: float(n) for v, n in zip(model.trainable_variables, values)}
-
-    def samples(self, *, seed: int, count: int = 3) -> list[str]:
-        """``count`` sentences sampled from a sentence start (temperature 1), and the
-        greedy continuation of the first words of the first valid sentence."""
-        drawn = self.sampler([""] * count, max_tokens=SAMPLE_TOKENS, temperature=1.0,
-                             seed=seed)
-        prompt = " ".join(self.data.first_line("valid").split()[:3])
-        greedy = self.sampler([prompt], max_tokens=SAMPLE_TOKENS, temperature=0.0)[0]
-        return [f"sample {i + 1}: {t}" for i, t in enumerate(drawn)] + [
-            f"greedy: [{prompt}] {greedy}"]

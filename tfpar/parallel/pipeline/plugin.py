@@ -189,18 +189,6 @@ class PipelinePlugin(StrategyPlugin):
         self._owner = _owners(model, self._stage_vars)
         return stages
 
-    def make_train_step(self, model, optimizer, *, clip_norm):
-        self.bind(model)  # a --stages the model cannot honour fails here, not when traced
-        return super().make_train_step(model, optimizer, clip_norm=clip_norm)
-
-    def make_train_steps(self, model, optimizer, *, clip_norm):
-        self.bind(model)
-        return super().make_train_steps(model, optimizer, clip_norm=clip_norm)
-
-    def make_eval_step(self, model):
-        self.bind(model)
-        return super().make_eval_step(model)
-
     # ------------------------------------------------------------------ step pieces
     def replicate(self, fn, batch, state):
         """One data-parallel replica (the whole global batch flows through every stage):

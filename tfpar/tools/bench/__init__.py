@@ -5,8 +5,9 @@ input stalls, padding, distribution cost, bf16, steps per call, and a scaling mo
 and on one corpus (PTB when it is there, else the generated corpus):
 
 * training tokens/s of tfpar's real training step (plug-in, model, optimizer,
-  ``plugin.make_train_step`` on ``InputData.batches``) against a plain-Keras baseline: the
-  same architecture as a ``keras.Sequential`` trained with ``model.fit`` on fixed windows;
+  ``step.make_train_step(plugin, ...)`` on the input pipeline's batches) against a
+  plain-Keras baseline: the same architecture as a ``keras.Sequential`` trained with
+  ``model.fit`` on fixed windows;
 * the input pipeline's share of the step time: the same step fed from tf.data and from
   batches already in memory;
 * the share of pad tokens in sentence mode: tfpar's bucketing against a plain

@@ -63,7 +63,7 @@ class TfparContender(Contender):
 
     def __init__(self, name: str, plugin, model, optimizer, train_step, batches, *,
                  stream: bool):
-        from tfpar.objective.step import run_steps
+        from tfpar.training.runner import run_steps
 
         self.name, self.plugin, self.model = name, plugin, model
         self.optimizer, self.train_step = optimizer, train_step
@@ -108,12 +108,14 @@ class TfparContender(Contender):
 
 class MultiStepContender(Contender):
     """tfpar's ``--steps-per-execution n``: ``n`` training steps per ``tf.function`` call
-    (``plugin.make_train_steps``), reading the plug-in's distributed iterator inside the
-    call; the stream state is carried from call to call."""
+    (``tfpar.training.runner.make_train_steps``), reading the plug-in's distributed
+    iterator inside the call; the stream state is carried from call to call."""
 
     def __init__(self, name: str, plugin, model, optimizer, one_step, batches, n: int):
+        from tfpar.training.runner import make_train_steps
+
         self.name, self.n, self.batches = name, n, batches
-        self.steps = plugin.make_train_steps(model, optimizer, clip_norm=5.0)
+        self.steps = make_train_steps(plugin, model, optimizer, clip_norm=5.0)
         self.state = one_step(next(batches), None).state  # a stream's first window
 
     def segment(self, steps: int) -> Segment:
@@ -185,6 +187,7 @@ def build_tfpar(setup: Setup, name: str, dist, *, precision: str | None = None,
     the plug-in; ``precision`` overrides the spec's, ``steps_per_execution > 1`` makes a
     :class:`MultiStepContender`, ``probe`` trains :data:`PROBE_MODEL` instead, ``fused``
     False computes the logits, then the cross-entropy (``--no-fused-softmax``)."""
+    from tfpar.objective.step import make_train_step
     from tfpar.parallel.registry import build_strategy
     from tfpar.parallel.rows import replica_batches
     from tfpar.training.state import build_train_state
@@ -196,7 +199,7 @@ def build_tfpar(setup: Setup, name: str, dist, *, precision: str | None = None,
                               len(setup.vocab),
                               seed=spec.seed,
                               make_optimizer=lambda epoch, lr_scale: _optimizer(spec.optimizer))
-    train_step = plugin.make_train_step(state.model, state.optimizer, clip_norm=5.0)
+    train_step = make_train_step(plugin, state.model, state.optimizer, clip_norm=5.0)
     data = setup.stream_data
     batches = iter(plugin.distribute(
         lambda ctx: replica_batches(data, "train", training=True, input_context=ctx,

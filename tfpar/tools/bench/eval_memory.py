@@ -57,6 +57,7 @@ def child(vocab_size: int, fused: bool, *, rows: int = ROWS, steps: int = STEPS,
     from tfpar.config import DistConfig, ModelConfig
     from tfpar.model.lm import build_model
     from tfpar.objective.losses import perplexity
+    from tfpar.objective.step import make_eval_step
     from tfpar.parallel.registry import build_strategy
 
     plugin = build_strategy(DistConfig())
@@ -65,7 +66,7 @@ def child(vocab_size: int, fused: bool, *, rows: int = ROWS, steps: int = STEPS,
                          fused_softmax=fused)
     with plugin.scope():
         model = build_model(config, vocab_size, seed=seed)
-    eval_step = plugin.make_eval_step(model)
+    eval_step = make_eval_step(plugin, model)
     ids = tf.random.stateless_uniform([batches, rows, steps + 1], [seed, 1], 1, vocab_size,
                                       dtype=tf.int32)
     weights_mb = sum(v.numpy().nbytes for v in model.weights) / 2**20

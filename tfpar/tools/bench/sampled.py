@@ -7,7 +7,7 @@ falling-frequency order (the order the log-uniform sampler assumes)::
     full   10,000 entries,                            --softmax full
 
 The benchmark's model (the spec's layers, widths, batch and BPTT window, plain SGD, clip
-5, stream mode) trains on each, as tfpar's real step (``plugin.make_train_step`` on
+5, stream mode) trains on each, as tfpar's real step (``step.make_train_step(plugin, ...)`` on
 ``InputData.batches``); the two are timed in interleaved segments like every other
 contender (``measure.interleave``), so the ratio compares segments that ran side by side.
 Target (:data:`~tfpar.tools.bench.spec.SAMPLED_TARGETS`): the huge vocabulary's tokens/s
@@ -92,6 +92,7 @@ def run(spec: BenchSpec, sizes: Sizes = Sizes()) -> dict[str, Any]:
 
     from tfpar.config import DistConfig
     from tfpar.objective.losses import perplexity
+    from tfpar.objective.step import make_eval_step
     from tfpar.tools.bench.contenders import build_tfpar
     from tfpar.tools.bench.measure import failing_as, interleave
     from tfpar.tools.bench.workload import load_setup
@@ -118,7 +119,7 @@ def run(spec: BenchSpec, sizes: Sizes = Sizes()) -> dict[str, Any]:
         setup, contender, plugin = built["sampled_huge"]
         model = contender.model
         eval_start = time.perf_counter()
-        nll, count = evaluate(plugin, plugin.make_eval_step(model), setup.stream_data, "valid",
+        nll, count = evaluate(plugin, make_eval_step(plugin, model), setup.stream_data, "valid",
                               sizes.eval_batch_size)
         eval_seconds = time.perf_counter() - eval_start
         width = int(model(tf.zeros([1, 1], tf.int32))[0].shape[-1])

@@ -6,7 +6,7 @@ starts ``train.py``); every process builds ``MultiWorkerMirroredStrategy`` and t
 benchmark's model, and then, in rounds, all of them together (a collective first lines
 them up) time:
 
-* ``step``: the real synchronous step (``plugin.make_train_step``): each worker computes
+* ``step``: the real synchronous step (``step.make_train_step(plugin, ...)``): each worker computes
   on its 1/n of the global batch, the gradients are all-reduced over gRPC;
 * ``compute``: the same model's step on one worker's share with no strategy (no
   all-reduce), every worker computing at once, so the cores are shared as in ``step``;

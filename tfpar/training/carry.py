@@ -1,0 +1,57 @@
+"""Stream mode's carried recurrent state, as one object.
+
+Row ``b`` of window ``k + 1`` continues row ``b`` of window ``k``, so each window starts
+from the state the one before ended in (truncated BPTT). The loop keeps it here:
+
+* ``current``: the state the next window starts from, in the plug-in's form (one tensor
+  structure, or ``tf.distribute`` per-replica values); None means zeros;
+* ``last_in``: the state the last window started from (a non-finite run rewinds there);
+* :meth:`store`: before every checkpoint, ``current`` in the global form (one [B, H]
+  tensor per layer and part) into the train state, so a run resumed in the middle of an
+  epoch (under any strategy or device count) goes on from it (:meth:`resume`);
+* :meth:`restart`: zeros for the next window, after a non-finite one and at an epoch's
+  end.
+
+In sentence mode every window starts from zeros: nothing is carried or stored.
+"""
+
+from __future__ import annotations
+
+
+class StreamCarry:
+    """The carried state of one run (see the module docstring)."""
+
+    def __init__(self, plugin, state, *, stream: bool):
+        self.plugin, self.state, self.stream = plugin, state, stream
+        self.current = None
+        self.last_in = None
+
+    def resume(self, skip: int):
+        """The state an epoch's first window starts from: a resumed epoch's (``skip``
+        batches done) from its checkpoint, in the plug-in's form; else zeros (None)."""
+        self.current = self.plugin.local_state(self.state.carried()) \
+            if self.stream and skip else None
+        return self.current
+
+    def advance(self, final) -> None:
+        """A window ended in ``final`` (its step's output state): the next starts there."""
+        self.last_in = self.current
+        self.current = final if self.stream else None
+
+    def after_call(self, last_in, final) -> None:
+        """A multi-step call ran: its last window started from ``last_in``, ended in
+        ``final``."""
+        self.last_in, self.current = last_in, final
+
+    def restart(self) -> None:
+        """The next window starts from zeros."""
+        self.current = None
+
+    def rewind(self, to) -> None:
+        """The next window starts from ``to`` (a state this object handed out before)."""
+        self.current = to
+
+    def store(self) -> None:
+        """Before a checkpoint: ``current`` in the global form into the train state."""
+        if self.state.carry:
+            self.state.store_carry(self.plugin.global_state(self.current))
