@@ -211,6 +211,16 @@ def test_the_runner_runs_and_the_step_steps():
             ["tfpar.parallel.parameter_server"] if name == "make_eval_step" else []), name
 
 
+def test_the_step_is_handed_its_loss():
+    """The loss (the full or the sampled softmax) is an object handed to the step
+    (``tfpar.objective.output``): the step and the synchronous plug-ins read no softmax
+    setting from the model's config."""
+    for name, path in synchronous_path().items():
+        text = path.read_text(encoding="utf-8")
+        for word in ("config.softmax", "fused_softmax", "softmax_block_sizes", "num_sampled"):
+            assert word not in text, (name, word)
+
+
 def test_the_call_finder_sees_a_second_call(tmp_path, monkeypatch):
     extra = tmp_path / "extra.py"
     extra.write_text("def f(o, g, b):\n    o.apply_gradients(g)\n    return token_count(b)\n")

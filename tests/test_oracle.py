@@ -296,12 +296,12 @@ def test_the_hand_candidates_are_tfpars():
     draws for steps 0..2, ids and tries; so the sampled-softmax comparison above checks
     tfpar's loss, not only its sampler."""
     from tfpar.model.noise import Noise
-    from tfpar.objective import sampling, step
+    from tfpar.objective import output, sampling
 
     noise = Noise(SEED)
     for k in range(3):
         noise.step = lambda: tf.constant(k, tf.int64)
-        c = sampling.log_uniform_candidates(noise.key(step.CANDIDATE_SITE),
+        c = sampling.log_uniform_candidates(noise.key(output.CANDIDATE_SITE),
                                             SAMPLED.num_sampled, V)
         ids, tries = hand_candidates(k, SAMPLED.num_sampled, V)
         np.testing.assert_array_equal(c.ids.numpy(), ids)

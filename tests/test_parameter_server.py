@@ -17,6 +17,7 @@ from conftest import (
     PINNED, REPO, model_config, small_config, train_config, write_sharded_corpus)
 from tfpar.parallel.cluster.tf_config import parse_tf_config
 from tfpar.objective import step as steps
+from tfpar.objective.output import output_loss
 from tfpar.training import summaries
 from tfpar.tools.cli import train_main
 from tfpar.config import DataConfig, RunConfig
@@ -98,7 +99,7 @@ def test_sharded_gradients_and_updates_match_unsharded_ones(tmp_path):
     count = tf.reduce_sum(tf.cast(batch["targets"] != 0, tf.float32))
     for _ in range(2):
         grads, nll, _ = ps.loss_and_grads(sharded, batch)
-        want, want_nll, _, _ = steps.replica_gradients(plain, batch, count)
+        want, want_nll, _, _ = steps.replica_gradients(plain, batch, count, loss=output_loss(plain.config))
         np.testing.assert_allclose(float(nll), float(want_nll), rtol=1e-6)
         for g, w in zip(grads, want):
             np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-7)
@@ -222,7 +223,7 @@ def test_sampled_softmax_gradients_stay_sparse_across_shards_and_update_like_uns
     batch = {"inputs": ids, "targets": tf.roll(ids, -1, axis=1) * tf.cast(ids > 0, tf.int32)}
     count = tf.reduce_sum(tf.cast(batch["targets"] != 0, tf.float32))
     grads, nll, _ = ps.loss_and_grads(sharded, batch)
-    want, want_nll, _, _ = steps.replica_gradients(plain, batch, count)
+    want, want_nll, _, _ = steps.replica_gradients(plain, batch, count, loss=output_loss(plain.config))
     np.testing.assert_allclose(float(nll), float(want_nll), rtol=1e-6)
     for v, g, w in zip(sharded.trainable_variables, grads, want):
         assert isinstance(g, tf.IndexedSlices) == (v.path in tables), v.path

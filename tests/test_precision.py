@@ -20,6 +20,7 @@ from tfpar.config import resume_conflicts
 from tfpar.model import precision
 from tfpar.model.lm import build_model
 from tfpar.objective import step
+from tfpar.objective.output import output_loss
 from tfpar.tools import verify
 from tfpar.tools.cli import train_main
 
@@ -46,7 +47,7 @@ def test_a_mixed_policy_computes_in_16_bits_and_keeps_float32_where_promised(pol
                     if op.type in ("MatMul", "BatchMatMulV2", "BatchMatMulV3")}
     assert low in matmul_types, matmul_types
     # ... and the step differentiates a float32 loss.
-    nll, count, _ = step.forward(model, {"inputs": ids, "targets": ids})
+    nll, count, _ = step.forward(model, {"inputs": ids, "targets": ids}, loss=output_loss(model.config))
     assert nll.dtype == tf.float32 and np.isfinite(float(nll))
 
 
@@ -118,7 +119,8 @@ def test_loss_scaling_divides_the_scaled_gradient_before_clipping():
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=2.0 ** 10)
         optimizer.build(model.trainable_variables)
         scale = step.use_loss_scaling(model, optimizer)
-        grads, nll, count, _ = step.replica_gradients(model, batch, tf.constant(7.0))
+        grads, nll, count, _ = step.replica_gradients(model, batch, tf.constant(7.0),
+                                                      loss=output_loss(model.config))
         norm = tf.linalg.global_norm(grads)
         applied = step.update(norm, nll, 0.1, lambda f: optimizer.apply(
             [g * f for g in grads], model.trainable_variables), loss_scale=scale)

@@ -15,7 +15,8 @@ from tfpar.parallel.rows import per_replica
 from tfpar.errors import ConfigError
 from tfpar.model.lm import build_model
 from tfpar.model.noise import Noise
-from tfpar.objective import losses, sampling, step
+from tfpar.objective import losses, output, sampling, step
+from tfpar.objective.output import output_loss
 from tfpar.parallel.registry import build_strategy
 from tfpar.objective.step import make_train_step
 
@@ -184,7 +185,7 @@ def one_sgd_step(strategy: str, softmax: str, tie: bool):
 
 def touched_rows(tie: bool) -> set[int]:
     """The rows the batch's inputs, targets and step-0 candidates can reach."""
-    key = Noise(0).key(step.CANDIDATE_SITE)  # step 0: the first update's draw
+    key = Noise(0).key(output.CANDIDATE_SITE)  # step 0: the first update's draw
     candidates = set(sampling.log_uniform_candidates(key, 6, 200).ids.numpy().tolist())
     inputs = set(BATCH["inputs"].numpy().ravel().tolist())
     targets = set(BATCH["targets"].numpy().ravel().tolist())
@@ -227,7 +228,7 @@ def test_eval_and_export_logits_use_the_full_softmax():
     logits, _ = model(BATCH["inputs"])
     assert logits.shape == (3, 5, 200)
     assert model.softmax.kernel.shape == (200, 8)
-    nll, count, _ = step.forward(model, BATCH)
+    nll, count, _ = step.forward(model, BATCH, loss=output_loss(model.config))
     want = tf.nn.sparse_softmax_cross_entropy_with_logits(BATCH["targets"], logits)
     mask = losses.token_mask(BATCH["targets"])
     assert float(nll) == pytest.approx(float(tf.reduce_sum(want * mask)), rel=1e-6)

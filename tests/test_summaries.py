@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from conftest import model_config, small_config
 from tfpar.objective import step as steps
+from tfpar.objective.output import output_loss
 
 from tfpar.training import summaries
 from tfpar.data.pipeline import InputData
@@ -104,7 +105,8 @@ def test_epoch_gradient_norms_are_those_of_the_first_unshuffled_train_batch(setu
     inspector.refresh(model)
     batch = next(iter(data.batches("train", training=False, batch_size=4)))
     count = tf.reduce_sum(tf.cast(batch["targets"] != 0, tf.float32))
-    grads, _, _, _ = steps.replica_gradients(model, batch, count, training=False)
+    grads, _, _, _ = steps.replica_gradients(model, batch, count, training=False,
+                                              loss=output_loss(model.config))
     norms = inspector.gradient_norms(model)
     assert list(norms) == [v.path for v in model.trainable_variables]
     np.testing.assert_allclose(list(norms.values()), [float(tf.norm(g)) for g in grads],

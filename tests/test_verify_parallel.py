@@ -347,7 +347,7 @@ def test_verify_passes_with_the_sampled_softmax_and_fails_per_replica_candidates
     assert "all 1 strategies match default" in out
     assert_clipped_and_unclipped(out, "tower:2")
 
-    from tfpar.objective import sampling, step
+    from tfpar.objective import output, sampling
 
     def stateful(key, num_sampled, range_max):
         ids, _, _ = tf.random.log_uniform_candidate_sampler(
@@ -355,7 +355,7 @@ def test_verify_passes_with_the_sampled_softmax_and_fails_per_replica_candidates
         return sampling.Candidates(ids, tf.constant(num_sampled, tf.int64), num_sampled,
                                    range_max)
 
-    monkeypatch.setattr(step.sampling, "log_uniform_candidates", stateful)
+    monkeypatch.setattr(output.sampling, "log_uniform_candidates", stateful)
     assert verify.main(argv) == 1
     # (Its own draws give other gradient norms: not the automatic clip norm's mix.)
     assert "FAIL tower:2: max |dtheta|" in capsys.readouterr().out

@@ -16,7 +16,8 @@ With ``--softmax sampled`` the embedding's and the softmax's gradients are
 ``tf.IndexedSlices`` (the rows a step touched) all the way: summed as gathers of rows
 (:func:`add_gradients`), repeated rows summed once (:func:`deduplicate`) before the norm,
 clipped by scaling their values (:func:`scale`) and applied sparsely by the optimizer; the
-candidates are drawn from (seed, step), the same on every replica (:func:`sampled_loss`).
+candidates are drawn from (seed, step), the same on every replica
+(``tfpar.objective.output.SampledSoftmax``).
 
 Because each replica differentiates ``nll_r / N`` with ``N`` the *global* count, the plain
 sum of the replicas' gradients is the gradient one device computes on the whole batch,
@@ -53,12 +54,8 @@ from typing import Any, Callable, Sequence
 import tensorflow as tf
 
 from tfpar.model import precision, xla
-from tfpar.objective import fused, losses, sampling
-
-# The noise site (tfpar.model.noise) that keys the sampled softmax's candidates: one
-# draw per (seed, step), the same on every replica and micro-batch.
-CANDIDATE_SITE = -1
-
+from tfpar.objective import losses
+from tfpar.objective.output import output_loss
 
 @dataclasses.dataclass
 class StepOutput:
@@ -101,93 +98,35 @@ def as_step_output(step_fn):
     return step
 
 
-def forward(model, batch: dict, state=None, training: bool = False, *,
+def forward(model, batch: dict, state=None, training: bool = False, *, loss,
             for_gradient: bool = False):
-    """Runs the model on one batch.
+    """Runs the model on one batch and scores it with the full softmax.
 
     Args:
       batch: {"inputs": [b, T] int32, "targets": [b, T] int32}, and "rows" [b] int32
         (the rows' indices in the global batch, which key the dropout masks) when the
         rows are a replica's share (``tfpar.parallel.rows``), at least one row.
       state: initial recurrent state (one list of [b, H] tensors per layer) or None.
+      loss: the output loss (``tfpar.objective.output``).
       for_gradient: the loss will be differentiated (the fused softmax then computes its
-        gradient with the loss: :func:`full_loss`).
+        gradient with the loss).
 
     Returns:
       ``(nll_sum, count, final_state)``, float32 scalars and the state structure.
     """
-    if not model.config.fused_softmax:
-        logits, final = model(batch["inputs"], initial_state=state, training=training,
-                              rows=batch.get("rows"))
-        nll_sum, count = losses.nll_sum_and_count(logits, batch["targets"])
-        return nll_sum, count, final
     x, final = model.features(batch["inputs"], initial_state=state, training=training,
                               rows=batch.get("rows"))
-    nll_sum, count = full_loss(model, x, batch["targets"], for_gradient=for_gradient)
+    nll_sum, count = loss.nll(model, x, batch["targets"], for_gradient=for_gradient)
     return nll_sum, count, final
 
 
-def full_loss(model, x: tf.Tensor, targets: tf.Tensor, *, for_gradient: bool
-              ) -> tuple[tf.Tensor, tf.Tensor]:
-    """``(nll_sum, count)`` of the full softmax on the model's features ``x`` [b, T, H]
-    and ``targets`` [b, T]: fused (``tfpar.objective.fused``; with ``for_gradient`` its
-    gradient is computed in the same pass, for training) or, with
-    ``--no-fused-softmax``, from the logits."""
-    if not model.config.fused_softmax:
-        # Tokens flattened to [b*T, V] and [b*T]: on 3-D logits of unknown size TF adds a
-        # run-time shape Assert, and a tf.function chains all its Asserts in program
-        # order (automatic control dependencies), which would make the pipeline's
-        # micro-batch j+1 wait for micro-batch j's logits.
-        logits = model.softmax(x)
-        return losses.nll_sum_and_count(tf.reshape(logits, [-1, tf.shape(logits)[-1]]),
-                                        tf.reshape(targets, [-1]))
-    layer = model.output_layer()
-    rows, columns = model.config.softmax_block_sizes()
-    return fused.fused_softmax_nll(
-        model.softmax_input(x), layer.kernel, layer.bias, targets, losses.token_mask(targets),
-        vocab_major=layer.vocab_major, matmul_dtype=layer.matmul_dtype, rows=rows,
-        columns=columns, gradient_in_forward=for_gradient)
-
-
-def token_nll(model, x: tf.Tensor, targets: tf.Tensor) -> tf.Tensor:
-    """Each token's negative log-likelihood under the full softmax, [b, T] float32, from
-    the model's features ``x`` [b, T, H] (padding included: mask it)."""
-    if not model.config.fused_softmax:
-        return tf.nn.sparse_softmax_cross_entropy_with_logits(
-            labels=tf.cast(targets, tf.int32), logits=tf.cast(model.softmax(x), tf.float32))
-    layer = model.output_layer()
-    rows, columns = model.config.softmax_block_sizes()
-    nll = fused.token_nll(model.softmax_input(x), layer.kernel, layer.bias, targets,
-                          vocab_major=layer.vocab_major, matmul_dtype=layer.matmul_dtype,
-                          rows=rows, columns=columns)
-    return tf.reshape(nll, tf.shape(targets))
-
-
-def sampled_loss(model, x: tf.Tensor, targets: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
-    """``(nll_sum, count)`` of the sampled softmax on the model's features ``x``
-    [b, T, H] and ``targets`` [b, T], with the step's shared candidates."""
-    candidates = sampling.log_uniform_candidates(
-        model.noise.key(CANDIDATE_SITE), model.config.num_sampled, model.vocab_size)
-    weights, biases = model.softmax.output_weights()
-    x = tf.cast(x, tf.float32)  # a mixed policy's 16-bit features: the loss is float32
-    return losses.sampled_nll_sum_and_count(
-        model.softmax.project(x), targets, _variable(weights), _variable(biases), candidates)
-
-
-def _variable(weight):
-    """The ``tf.Variable`` behind a Keras variable (gathered rows: a sparse read)."""
-    return getattr(weight, "value", weight)
-
-
-def training_loss(model, batch: dict, state=None, training: bool = True):
-    """The loss training differentiates: :func:`forward`'s full softmax, or with
-    ``--softmax sampled`` :func:`sampled_loss` (arguments and result as :func:`forward`;
-    ``training`` only switches dropout)."""
-    if model.config.softmax != "sampled":
-        return forward(model, batch, state, training, for_gradient=True)
+def training_loss(model, batch: dict, state=None, training: bool = True, *, loss):
+    """What training differentiates: ``loss.train_nll`` (the full softmax's, or the
+    sampled softmax's estimate); arguments and result as :func:`forward`, ``training``
+    only switches dropout."""
     x, final = model.features(batch["inputs"], initial_state=state, training=training,
                               rows=batch.get("rows"))
-    nll_sum, count = sampled_loss(model, x, batch["targets"])
+    nll_sum, count = loss.train_nll(model, x, batch["targets"])
     return nll_sum, count, final
 
 
@@ -200,14 +139,7 @@ def differentiated(model, nll_sum: tf.Tensor, global_count: tf.Tensor) -> tf.Ten
     return loss if scale_loss is None else scale_loss(loss)
 
 
-def sparse_gradients(model) -> bool:
-    """Whether gradients stay ``tf.IndexedSlices`` through aggregation, clipping and the
-    optimizer: with the sampled softmax (the full softmax's gradients are made dense
-    where they are taken, as they always were)."""
-    return model.config.softmax == "sampled"
-
-
-def replica_gradients(model, batch: dict, global_count: tf.Tensor, state=None, *,
+def replica_gradients(model, batch: dict, global_count: tf.Tensor, state=None, *, loss,
                       training: bool = True, variables: Sequence | None = None):
     """One replica's share: gradients of ``nll_sum / global_count`` on its rows.
 
@@ -216,6 +148,7 @@ def replica_gradients(model, batch: dict, global_count: tf.Tensor, state=None, *
       batch: {"inputs": [b, T], "targets": [b, T]}, this replica's rows.
       global_count: real target tokens in the whole global batch (all replicas).
       state: initial recurrent state or None.
+      loss: the output loss (``tfpar.objective.output``).
       training: dropout on.
       variables: what to differentiate (default: ``model.trainable_variables``).
 
@@ -227,10 +160,10 @@ def replica_gradients(model, batch: dict, global_count: tf.Tensor, state=None, *
     """
     variables = model.trainable_variables if variables is None else variables
     with tf.GradientTape() as tape:
-        nll_sum, count, final = training_loss(model, batch, state, training)
-        loss = differentiated(model, nll_sum, tf.maximum(global_count, 1.0))
-    grads = tape.gradient(loss, variables)
-    if not sparse_gradients(model):
+        nll_sum, count, final = training_loss(model, batch, state, training, loss=loss)
+        objective = differentiated(model, nll_sum, tf.maximum(global_count, 1.0))
+    grads = tape.gradient(objective, variables)
+    if not loss.sparse_gradients:
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                  for g in grads]
     return grads, nll_sum, count, detach_state(final)
@@ -259,14 +192,14 @@ def add_gradients(parts: Sequence) -> Any:
     return tf.add_n([tf.convert_to_tensor(rows)] + dense)
 
 
-def combine_gradients(model) -> Callable[[Sequence], Any]:
+def combine_gradients(loss) -> Callable[[Sequence], Any]:
     """``combine(parts)``: one variable's summed gradient, as the update takes it (the
     one gradient sum of the synchronous step; plug-ins run it where they sum).
 
-    With the sampled softmax (:func:`sparse_gradients`) a ``tf.IndexedSlices`` keeps its
+    With the sampled softmax (``loss.sparse_gradients``) a ``tf.IndexedSlices`` keeps its
     rows, each row once (:func:`deduplicate`); otherwise the sum is made dense (the
     embedding's rows, once for all the parts)."""
-    sparse = sparse_gradients(model)
+    sparse = loss.sparse_gradients
 
     def combine(parts):
         total = add_gradients(parts)
@@ -393,7 +326,7 @@ def apply_scaled(optimizer, variables, grads, factor: tf.Tensor,
     optimizer.apply_gradients(zip(scaled, variables))
 
 
-def aggregate(plugin, model, batch, state) -> Aggregated:
+def aggregate(plugin, model, loss, batch, state) -> Aggregated:
     """The gradient half of every synchronous step: token count, each replica's
     gradients, their sum and its norm, placed by ``plugin``.
 
@@ -412,21 +345,22 @@ def aggregate(plugin, model, batch, state) -> Aggregated:
         counts = plugin.replicate(lambda rows, _: losses.token_count(rows["targets"]),
                                   batch, None)
         count = plugin.sum(counts, add)
-    grads, nll, final = plugin.gradient_pieces(model, batch, state, tf.maximum(count, 1.0))
-    grads = plugin.sum_gradients(grads, model.trainable_variables, combine_gradients(model))
+    grads, nll, final = plugin.gradient_pieces(model, loss, batch, state,
+                                               tf.maximum(count, 1.0))
+    grads = plugin.sum_gradients(grads, model.trainable_variables, combine_gradients(loss))
     return Aggregated(grads=grads, norm=plugin.norm(grads, model.trainable_variables),
                       nll_sum=plugin.sum(nll, add), count=count,
                       state=plugin.join_states(final))
 
 
-def evaluate(plugin, model, batch, state) -> tuple[tf.Tensor, tf.Tensor, Any]:
+def evaluate(plugin, model, loss, batch, state) -> tuple[tf.Tensor, tf.Tensor, Any]:
     """``(nll_sum, count, final_state)`` of the whole batch without gradients: each
     replica's :func:`forward` (the plug-in's ``loss_pieces``), summed."""
-    nll, count, final = plugin.loss_pieces(model, batch, state)
+    nll, count, final = plugin.loss_pieces(model, loss, batch, state)
     return plugin.sum(nll, add), plugin.sum(count, add), plugin.join_states(final)
 
 
-def one_update(plugin, model, optimizer, *, clip_norm: float):
+def one_update(plugin, model, optimizer, *, clip_norm: float, loss):
     """``update(batch, state) -> Aggregated``: the body of every train step (traced into
     :func:`make_train_step`'s function once, or into the runner's multi-step loop,
     ``tfpar.training.runner.make_train_steps``)."""
@@ -440,7 +374,7 @@ def one_update(plugin, model, optimizer, *, clip_norm: float):
         # multi-step loop's reads hide it), so every step of every strategy and of every
         # --steps-per-execution runs the same kernels.
         with xla.compile_any_shape() if model.fixed_shapes else contextlib.nullcontext():
-            agg = aggregate(plugin, model, batch, state)
+            agg = aggregate(plugin, model, loss, batch, state)
         variables = model.trainable_variables
         update(agg.norm, agg.nll_sum, clip_norm,
                lambda factor: plugin.run_update(
@@ -471,7 +405,7 @@ def use_loss_scaling(model, optimizer):
     return scale
 
 
-def make_train_step(plugin, model, optimizer, *, clip_norm: float):
+def make_train_step(plugin, model, optimizer, *, clip_norm: float, loss=None):
     """``step(batch, state=None) -> StepOutput``: one update of ``model`` under ``plugin``.
 
     Args:
@@ -479,8 +413,11 @@ def make_train_step(plugin, model, optimizer, *, clip_norm: float):
       model: the model, built in the plug-in's scope.
       optimizer: the Keras optimizer, built in the same scope.
       clip_norm: clip the aggregated gradient to this global norm (0: no clipping).
+      loss: the output loss (``tfpar.objective.output``; None: the one ``model``'s
+        config names, ``output_loss(model.config)``).
     """
-    one = one_update(plugin, model, optimizer, clip_norm=clip_norm)
+    one = one_update(plugin, model, optimizer, clip_norm=clip_norm,
+                     loss=loss or output_loss(model.config))
 
     @tf.function(reduce_retracing=True)
     def train_step(batch, state=None):
@@ -491,13 +428,15 @@ def make_train_step(plugin, model, optimizer, *, clip_norm: float):
     return as_step_output(train_step)
 
 
-def make_eval_step(plugin, model):
-    """``step(batch, state=None) -> StepOutput`` without gradients (``grad_norm`` None)."""
+def make_eval_step(plugin, model, loss=None):
+    """``step(batch, state=None) -> StepOutput`` without gradients (``grad_norm`` None);
+    ``loss`` as for :func:`make_train_step` (evaluation scores the full softmax)."""
     plugin.bind(model)
+    loss = loss or output_loss(model.config)
 
     @tf.function(reduce_retracing=True)
     def eval_step(batch, state=None):
-        nll_sum, count, final = evaluate(plugin, model, batch, state)
+        nll_sum, count, final = evaluate(plugin, model, loss, batch, state)
         return dict(nll_sum=nll_sum, count=count, state=final)
 
     return as_step_output(eval_step)

@@ -157,16 +157,17 @@ class StrategyPlugin(abc.ABC):
         plug-in (see :meth:`global_state`). Default: each :class:`Parts` concatenated."""
         return join_parts(finals)
 
-    def gradient_pieces(self, model, batch, state, global_count: tf.Tensor):
+    def gradient_pieces(self, model, loss, batch, state, global_count: tf.Tensor):
         """``(grads, nll_sum, final_state)`` in per-replica form: every replica's
         :func:`~tfpar.objective.step.replica_gradients` of ``nll / global_count``."""
         grads, nll, _, final = self.replicate(
-            lambda rows, s: step.replica_gradients(model, rows, global_count, s), batch, state)
+            lambda rows, s: step.replica_gradients(model, rows, global_count, s, loss=loss),
+            batch, state)
         return grads, nll, final
 
-    def loss_pieces(self, model, batch, state):
+    def loss_pieces(self, model, loss, batch, state):
         """``(nll_sum, count, final_state)`` in per-replica form, without gradients."""
-        return self.replicate(lambda rows, s: step.forward(model, rows, s, training=False),
+        return self.replicate(lambda rows, s: step.forward(model, rows, s, loss=loss),
                               batch, state)
 
     def run_update(self, optimizer, update: Callable[[object], None], grads) -> None:

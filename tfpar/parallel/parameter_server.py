@@ -59,6 +59,7 @@ from tfpar.config import DistConfig
 from tfpar.errors import ClusterError, ConfigError, command
 from tfpar.model.lm import detached_copy
 from tfpar.objective import losses, step
+from tfpar.objective.output import output_loss
 from tfpar.objective.step import StepOutput
 from tfpar.parallel.cluster.tf_config import ClusterConfig, check_port_free, require_cluster
 
@@ -184,7 +185,8 @@ def loss_and_grads(model, batch: dict):
     """
     parts = [shard_parts(v) for v in model.trainable_variables]
     flat, nll_sum, count, _ = step.replica_gradients(
-        model, batch, losses.token_count(batch["targets"]), None, training=True,
+        model, batch, losses.token_count(batch["targets"]), None,
+        loss=output_loss(model.config), training=True,
         variables=[p for group in parts for p in group])
     grads, i = [], 0
     for group in parts:
@@ -345,10 +347,11 @@ class Coordinator:
         copy = detached_copy(model.config, model.vocab_size,  # on the coordinator
                              fixed_shapes=model.fixed_shapes)
         copied = [-1]  # the version of the parameters in ``copy``
+        loss = output_loss(model.config)
 
         @tf.function(reduce_retracing=True)
         def eval_step(batch):
-            nll_sum, count, _ = step.forward(copy, batch, None, training=False)
+            nll_sum, count, _ = step.forward(copy, batch, None, loss=loss)
             return dict(nll_sum=nll_sum, count=count)
 
         def evaluate(batch, state=None):

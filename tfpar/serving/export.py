@@ -53,7 +53,7 @@ from tfpar import files
 from tfpar.serving import sample
 from tfpar.config import Config
 from tfpar.errors import CheckpointError
-from tfpar.objective import step
+from tfpar.objective.output import output_loss
 from tfpar.objective.losses import token_mask
 from tfpar.model.lm import build_model
 from tfpar.data.vocab import EOS_ID, PAD_ID, UNK_ID, Vocab
@@ -111,7 +111,8 @@ class LanguageModelModule(tf.Module):
         inputs = full[:, :-1].to_tensor(default_value=PAD_ID)
         targets = full[:, 1:].to_tensor(default_value=PAD_ID)
         x, _ = self.model.features(inputs)
-        nll = step.token_nll(self.model, x, targets)  # [B, T]: no [B, T, V] when fused
+        # [B, T]: no [B, T, V] when fused.
+        nll = output_loss(self.model.config).token_nll(self.model, x, targets)
         mask = token_mask(targets)
         nll = tf.reduce_sum(nll * mask, axis=1)
         tokens = tf.reduce_sum(mask, axis=1)

@@ -42,6 +42,7 @@ from tfpar.errors import ClusterError, ConfigError
 from tfpar.model.lm import build_model
 from tfpar.model.precision import with_loss_scaling
 from tfpar.objective import step
+from tfpar.objective.output import output_loss
 from tfpar.objective.losses import perplexity, token_count
 from tfpar.parallel.registry import build_strategy
 from tfpar.parallel.rows import Context, per_replica, pipeline_rows, replica_batches, with_rows
@@ -296,7 +297,7 @@ def initial_gradient_norms(model, data: InputData, batch_size: int, count: int) 
     @tf.function(reduce_retracing=True)  # Traced, like every train step.
     def norm(batch):
         grads, *_ = step.replica_gradients(model, batch, token_count(batch["targets"]), None,
-                                           training=False)
+                                           loss=output_loss(model.config), training=False)
         return tf.linalg.global_norm([step.deduplicate(g) for g in grads])
 
     norms = []

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from tfpar.model.lm import detached_copy
 from tfpar.objective import step
+from tfpar.objective.output import output_loss
 from tfpar.serving import sample
 
 SAMPLE_TOKENS = 30
@@ -23,12 +24,13 @@ class EpochInspector:
                                   fixed_shapes=config.data.mode == "stream")
         self.sampler = sample.Sampler(self.copy, vocab)
         self._batch = None
-        copy = self.copy
+        copy, loss = self.copy, output_loss(config.model)
 
         @tf.function(reduce_retracing=True)
         def norms(batch):
             count = tf.reduce_sum(tf.cast(batch["targets"] != 0, tf.float32))
-            grads, _, _, _ = step.replica_gradients(copy, batch, count, training=False)
+            grads, _, _, _ = step.replica_gradients(copy, batch, count, loss=loss,
+                                                    training=False)
             # A sampled softmax's sparse rows: the norm of the summed rows, never densified.
             return tf.stack([tf.sqrt(step.squared_norm(step.deduplicate(g)))
                              if isinstance(g, tf.IndexedSlices) else tf.norm(g) for g in grads])

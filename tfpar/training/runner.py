@@ -14,6 +14,7 @@ from typing import Any
 import tensorflow as tf
 
 from tfpar.objective import step
+from tfpar.objective.output import output_loss
 from tfpar.objective.step import StepOutput
 
 
@@ -38,7 +39,7 @@ class CallOutput:
     exhausted: bool  # the iterator ran out (the epoch ended) inside this call
 
 
-def make_train_steps(plugin, model, optimizer, *, clip_norm: float):
+def make_train_steps(plugin, model, optimizer, *, clip_norm: float, loss=None):
     """``steps(iterator, state, n) -> CallOutput``: up to ``n`` updates in one
     ``tf.function`` call (``--steps-per-execution``), with no host round trip between them.
 
@@ -55,8 +56,11 @@ def make_train_steps(plugin, model, optimizer, *, clip_norm: float):
       state: stream mode: the state the first window starts from (not None; the loop
         runs a stream's first window with the one-step function); sentence mode: None.
       n: int32 scalar tensor, at most this many steps.
+
+    ``loss``: as for ``tfpar.objective.step.make_train_step``.
     """
-    one = step.one_update(plugin, model, optimizer, clip_norm=clip_norm)
+    one = step.one_update(plugin, model, optimizer, clip_norm=clip_norm,
+                          loss=loss or output_loss(model.config))
 
     @tf.function
     def train_steps(iterator, state, n):

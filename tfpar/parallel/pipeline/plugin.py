@@ -199,13 +199,12 @@ class PipelinePlugin(StrategyPlugin):
             out = fn(batch, state)
         return parts_of([out], last.device, "global_count")
 
-    def gradient_pieces(self, model, batch, state, global_count):
+    def gradient_pieces(self, model, loss, batch, state, global_count):
         """Forward wavefront, backward wavefront; each weight's gradient from every piece
         that uses it, summed on its stage (the owner: the first stage that uses it)."""
-        self.bind(model)
         mbs = self._split(batch)
-        outs, tapes = self._forward_all(model, mbs, self._split_state(model, state, mbs),
-                                        global_count, training=True)
+        outs, tapes = self._forward_all(model, loss, mbs,
+                                        self._split_state(model, state, mbs), global_count)
         grads = self._backward_all(outs, tapes, self._stage_vars)
         pieces = []
         for v in model.trainable_variables:
@@ -237,11 +236,10 @@ class PipelinePlugin(StrategyPlugin):
         with tf.device(stage.device), tf.name_scope(f"{stage.scope}/clip"):
             yield
 
-    def loss_pieces(self, model, batch, state):
-        self.bind(model)
+    def loss_pieces(self, model, loss, batch, state):
         mbs = self._split(batch)
-        outs, _ = self._forward_all(model, mbs, self._split_state(model, state, mbs),
-                                    None, training=False)
+        outs, _ = self._forward_all(model, loss, mbs, self._split_state(model, state, mbs),
+                                    None)
         return (self._last(outs, "nll"), self._last(outs, "count"),
                 self._join_state(model, outs, mbs, detach=False))
 
@@ -252,9 +250,9 @@ class PipelinePlugin(StrategyPlugin):
         return [(s, t - s.index) for t in range(len(stages) + m - 1) for s in stages
                 if 0 <= t - s.index < m]
 
-    def _forward_all(self, model, mbs, states, global_count, *, training: bool):
-        """Every stage on every micro-batch; with ``training``, each piece on its own
-        tape, watching the activations it received.
+    def _forward_all(self, model, loss, mbs, states, global_count):
+        """Every stage on every micro-batch; in training (``global_count`` given), each
+        piece on its own tape, watching the activations it received.
 
         Returns:
           ``(outs, tapes)`` keyed by (stage index, micro-batch); ``tapes`` maps to
@@ -263,15 +261,15 @@ class PipelinePlugin(StrategyPlugin):
         outs, tapes = {}, {}
         for s, j in self.schedule():
             x_in = outs[s.index - 1, j]["x"] if s.index else None
-            if not training:
-                outs[s.index, j] = self._forward(model, s, j, mbs[j], x_in, states, None,
-                                                 training=False)
+            if global_count is None:
+                outs[s.index, j] = self._forward(model, loss, s, j, mbs[j], x_in, states,
+                                                 None)
                 continue
             with tf.GradientTape() as tape:
                 if x_in is not None:
                     tape.watch(x_in[0])
-                outs[s.index, j] = self._forward(model, s, j, mbs[j], x_in, states,
-                                                 global_count, training=True)
+                outs[s.index, j] = self._forward(model, loss, s, j, mbs[j], x_in, states,
+                                                 global_count)
             tapes[s.index, j] = (tape, x_in)
         return outs, tapes
 
@@ -310,9 +308,10 @@ class PipelinePlugin(StrategyPlugin):
                      last.device, f"sum_{key}")
 
     # ---------------------------------------------------------------- stage pieces
-    def _forward(self, model, stage: Stage, j: int, mb: _MicroBatch, x_in, states,
-                 global_count, *, training: bool) -> dict:
-        """Stage ``stage`` on micro-batch ``j``.
+    def _forward(self, model, loss, stage: Stage, j: int, mb: _MicroBatch, x_in, states,
+                 global_count) -> dict:
+        """Stage ``stage`` on micro-batch ``j``; in training (``global_count`` given)
+        with dropout and the loss training differentiates (``loss.train_nll``).
 
         Args:
           x_in: ``(activations [b, T, D], mask [b, T])`` from the stage before, or None
@@ -325,22 +324,19 @@ class PipelinePlugin(StrategyPlugin):
           "count" and, in training, "loss" = nll / global_count; {"finals": {layer: state}}.
         """
         out: dict = {"finals": {}}
+        training = global_count is not None
         with tf.device(stage.device), tf.name_scope(f"{stage.scope}/forward_mb_{j}"):
             x, mask = x_in if x_in is not None else (None, None)
             for part in stage.parts:
                 if part == EMBEDDING:
                     x, mask = model.embed(mb.inputs, training=training, rows=mb.rows)
-                elif part == SOFTMAX and training and model.config.softmax == "sampled":
+                elif part == SOFTMAX and training:
                     # The sampled softmax: every micro-batch draws the step's candidates.
-                    nll, count = step.sampled_loss(model, x, mb.targets)
+                    nll, count = loss.train_nll(model, x, mb.targets)
                     out.update(nll=nll, count=count,
                                loss=step.differentiated(model, nll, global_count))
                 elif part == SOFTMAX:
-                    nll, count = step.full_loss(model, x, mb.targets,
-                                                for_gradient=global_count is not None)
-                    out.update(nll=nll, count=count)
-                    if global_count is not None:
-                        out["loss"] = step.differentiated(model, nll, global_count)
+                    out["nll"], out["count"] = loss.nll(model, x, mb.targets)
                 else:
                     i = int(RNN_PART.match(part).group(1))
                     initial = None if states is None else states[i][j]

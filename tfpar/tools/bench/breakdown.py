@@ -64,7 +64,7 @@ def part_functions(spec: BenchSpec, vocab_size: int, precision: str, *, mode: st
     import tensorflow as tf
 
     from tfpar.model.lm import build_model
-    from tfpar.objective import step
+    from tfpar.objective.output import output_loss
 
     config = model_config(spec, precision, fused=True)
     model = build_model(config, vocab_size, seed=spec.seed)
@@ -86,7 +86,7 @@ def part_functions(spec: BenchSpec, vocab_size: int, precision: str, *, mode: st
         def softmax(h, y):
             with tf.GradientTape() as tape:
                 tape.watch(h)
-                nll, count = step.full_loss(m, h, y, for_gradient=True)
+                nll, count = output_loss(m.config).nll(m, h, y, for_gradient=True)
                 loss = nll / count
             grads = tape.gradient(loss, [h] + variables)
             return tf.add_n([tf.reduce_sum(g[:1]) for g in grads])
