@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install train test gpu-check clean
+.PHONY: install train test coverage gpu-check clean
 
 install: $(STAMP)
 
@@ -23,6 +23,12 @@ train: install
 # end of the queue does not leave a core idle. JOBS=0: serial.
 JOBS ?= auto
 test: install
+	$(PY) -m pytest -q -n $(JOBS) --dist worksteal $(PYTEST_ARGS)
+
+# The same suite with line and branch coverage of tfpar/ and its floor (pyproject.toml).
+# Coverage's tracer makes the suite's Python about 35% slower (tests/test_oracle.py and
+# tests/test_progress.py: 43 s against 32 s), so `make test`, which CI runs, goes without.
+coverage: install
 	$(PY) -m pytest -q -n $(JOBS) --dist worksteal --cov --cov-report=term $(PYTEST_ARGS)
 
 # The GPU suite (tests/gpu): cuDNN in the traced graph, mirrored over every GPU, verify with

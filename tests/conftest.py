@@ -317,7 +317,7 @@ def snapshot(state) -> list[np.ndarray]:
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):
     """The coverage floor (pyproject's ``fail_under``) is the whole suite's: a selection
-    (``-k``, ``-m``, some test files: ``PYTEST_ARGS="-k tower" make test``) reports its
+    (``-k``, ``-m``, some test files: ``PYTEST_ARGS="-k tower" make coverage``) reports its
     coverage but is not failed for it."""
     tests = os.path.join(REPO, "tests")
     whole = not (config.option.keyword or config.option.markexpr) and all(

@@ -83,7 +83,7 @@ def test_without_matplotlib_the_error_says_how_to_install_it(tmp_path, capsys, m
 
 
 def test_a_selection_of_the_suite_is_not_failed_by_the_coverage_floor(tmp_path):
-    """``PYTEST_ARGS="-k …" make test`` (the README's example) reports coverage but passes:
+    """``PYTEST_ARGS="-k …" make coverage`` reports coverage but passes:
     the floor in pyproject is the whole suite's (tests/conftest.py lifts it for a
     selection). Run on this cheap file: a few percent of the package is covered."""
     import subprocess
