@@ -85,6 +85,7 @@ def load_script(name):
     spec.loader.exec_module(module)
     return module
 
+
 @pytest.fixture
 def tiny_corpus_dir(tmp_path):
     """A folder with small train/valid/test splits of varied sentence lengths."""

@@ -57,6 +57,7 @@ from tfpar.model import precision, xla
 from tfpar.objective import losses
 from tfpar.objective.output import output_loss
 
+
 @dataclasses.dataclass
 class StepOutput:
     """What a train or eval step reports (scalars already summed over replicas)."""

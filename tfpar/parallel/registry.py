@@ -23,6 +23,7 @@ from tfpar.parallel.pipeline import stages as pipeline_stages
 from tfpar.parallel import tower
 from tfpar.parallel.base import StrategyPlugin
 
+
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """A strategy's builder and the traits a run's set-up reads before TensorFlow starts
