@@ -629,11 +629,9 @@ def test_more_default_devices_than_the_host_has():
 
 
 def test_devices_flag_naming_no_device():
-    from tfpar.parallel import devices
-
     with pytest.raises(ConfigError, match=exactly(
             "--devices ' , ' names no device; use a form like /cpu:0,/cpu:1")):
-        devices.parse_device_list(" , ")
+        cfg.parse_devices(" , ")
 
 
 # ------------------------------------------------------------------------- distribute.py
@@ -769,3 +767,79 @@ def test_config_and_the_command_with_no_flags_are_the_same_run():
     assert config_from_args(train_parser().parse_args([])) == cfg.Config()
     model = cfg.Config().model  # what the user gets: the tuned 2x200 tied LSTM
     assert (model.layers, model.hidden_dim, model.tie_embeddings) == (2, 200, True)
+
+
+# Flag values that the generic rule (a bool flipped, a number moved, a tuple of two)
+# would make invalid or that need a companion flag: field -> (argv, expected fields).
+SPECIAL_VALUES = {
+    "source": (["--data", "ptb"], {"source": "ptb"}),
+    "split_fractions": (["--split-fractions", "0.8,0.1,0.1"],
+                        {"split_fractions": (0.8, 0.1, 0.1)}),
+    "tokenizer": (["--tokenizer", "char"], {"tokenizer": "char"}),
+    "mode": (["--mode", "stream"], {"mode": "stream"}),
+    "vocab_size": (["--vocab-size", "500"], {"vocab_size": 500}),
+    "long_sentences": (["--long-sentences", "truncate"], {"long_sentences": "truncate"}),
+    "max_pad_fraction": (["--max-pad-fraction", "0.5"], {"max_pad_fraction": 0.5}),
+    "cell": (["--cell", "gru"], {"cell": "gru"}),
+    "precision": (["--precision", "bf16"], {"precision": "bf16"}),
+    "softmax": (["--softmax", "sampled"], {"softmax": "sampled"}),
+    "num_sampled": (["--softmax", "sampled", "--num-sampled", "7"],
+                    {"softmax": "sampled", "num_sampled": 7}),
+    "softmax_blocks": (["--softmax-blocks", "64x128"], {"softmax_blocks": "64x128"}),
+    "optimizer": (["--optimizer", "adam"], {"optimizer": "adam"}),
+    "scale_lr": (["--scale-lr", "linear"], {"scale_lr": "linear"}),
+    "on_nan": (["--on-nan", "skip"], {"on_nan": "skip"}),
+    "lr_decay_on_plateau": (["--lr-decay-on-plateau", "0.25"], {"lr_decay_on_plateau": 0.25}),
+    "devices": (["--devices", "/cpu:0,/cpu:1"], {"devices": ("/cpu:0", "/cpu:1")}),
+    "all_reduce": (["--all-reduce", "nccl"], {"all_reduce": "nccl"}),
+    "tower_reduce": (["--tower-reduce", "ring"], {"tower_reduce": "ring"}),
+    "communication": (["--communication", "ring"], {"communication": "ring"}),
+    "cluster": (["--cluster", "slurm"], {"cluster": "slurm"}),
+    "soft_placement": (["--no-soft-placement"], {"soft_placement": False}),
+    "final_weights": (["--final-weights", "last"], {"final_weights": "last"}),
+    "init_weights": (["--init-weights", "best"], {"init_weights": "best"}),
+    "profile_steps": (["--profile-steps", "3,5"], {"profile_steps": (3, 5)}),
+}
+
+
+def flag_and_value(flag) -> tuple[list[str], dict]:
+    """A command line that gives ``flag`` a valid non-default value, and the fields of
+    its section that line should change."""
+    if flag.field in SPECIAL_VALUES:
+        return SPECIAL_VALUES[flag.field]
+    if flag.kind is bool:
+        return ([flag.option] if not flag.default else [f"--no-{flag.option[2:]}"],
+                {flag.field: not flag.default})
+    if flag.kind in (int, float):
+        value = flag.kind((flag.default or 0) + 3)
+        if flag.field.startswith(("dropout", "embed_dropout", "weight_drop")):
+            value = 0.5
+        return [flag.option, str(value)], {flag.field: value}
+    assert flag.kind is str, flag
+    return [flag.option, "x"], {flag.field: "x"}
+
+
+def test_every_config_field_is_a_flag_that_sets_that_field_alone():
+    """The flags are made from the Config's fields: every field has one (the three
+    synthetic-corpus sizes share --synthetic-sentences), with the field's help, and
+    giving it a value changes that field and nothing else in the whole Config."""
+    import dataclasses
+
+    from tfpar.tools import cli
+
+    parser = cli.train_parser()
+    helps = {a.dest: a.help for a in parser._actions}
+    default = cli.config_from_args(parser.parse_args([]))
+    for section, cls in cli.SECTIONS.items():
+        flags = {f.field: f for f in cli.config_flags(section)}
+        shared = set(cli.SYNTHETIC) if section == "data" else set()
+        assert set(flags) | shared == {f.name for f in dataclasses.fields(cls)}, section
+        for field, flag in flags.items():
+            assert helps[flag.dest].startswith(flag.metadata["help"]), field
+            argv, changed = flag_and_value(flag)
+            config = cli.config_from_args(parser.parse_args(argv))
+            want = default.replace(**{section: changed})
+            assert config == want, (argv, getattr(config, section), getattr(want, section))
+    config = cli.config_from_args(parser.parse_args(["--synthetic-sentences", "7,8,9"]))
+    assert config == default.replace(data=dict(synthetic_train=7, synthetic_valid=8,
+                                               synthetic_test=9))

@@ -36,6 +36,18 @@ TOO_LATE = ("restart the Python process (a notebook's kernel) and call tfpar.tra
             "anything else runs on TensorFlow")
 
 
+def _negated(actions: Mapping[str, argparse.Action], name: str, value: Any
+             ) -> tuple[str, Any]:
+    """``no_export=True`` → ``("export", False)``: a ``--x / --no-x`` switch's ``--no-x``
+    spelled as a keyword; any other setting unchanged."""
+    switch = actions.get(name[3:]) if name.startswith("no_") and name not in actions else None
+    if not isinstance(switch, argparse.BooleanOptionalAction):
+        return name, value
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} must be True or False")
+    return name[3:], not value
+
+
 def settings_argv(parser: argparse.ArgumentParser, settings: Mapping[str, Any]) -> list[str]:
     """The command line that says what keyword ``settings`` say: ``{"max_steps": 100,
     "no_export": True, "tie_embeddings": False, "synthetic_sentences": (200, 20, 20)}``
@@ -47,6 +59,7 @@ def settings_argv(parser: argparse.ArgumentParser, settings: Mapping[str, Any]) 
       ConfigError: a keyword that is no flag's, or a switch given a non-boolean.
     """
     actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+    settings = dict(_negated(actions, name, value) for name, value in settings.items())
     for name in settings:
         if name not in actions:
             close = difflib.get_close_matches(name, actions, n=1)

@@ -1,7 +1,9 @@
 """One typed configuration for a tfpar run.
 
-Every field carries a comment and is validated on construction, so a bad value fails at
-the start of a run with a one-line :class:`~tfpar.errors.ConfigError` that names it.
+Every field holds the default a user gets and its flag's help text (:func:`flag`;
+tfpar.tools.cli makes the command's flags from the fields), and is validated on
+construction, so a bad value fails at the start of a run with a one-line
+:class:`~tfpar.errors.ConfigError` that names it.
 Batch sizes are *global* (summed over every replica) unless a name says otherwise.
 The whole config round-trips through JSON; a copy is stored beside the checkpoints so a
 resumed run can refuse an incompatible configuration.
@@ -103,53 +105,114 @@ def _non_negative(name: str, value: float) -> None:
         raise ConfigError(f"{name} must be >= 0, got {value!r}")
 
 
+def flag(default: Any, help: str, **spec: Any) -> Any:
+    """A config field with its command-line flag (tfpar.tools.cli makes the flags from the
+    fields: one default, one help text, both here).
+
+    ``help`` is the flag's help; the flag is ``--<field-name>`` with dashes unless ``spec``
+    says otherwise: ``name`` (the flag's name), ``group`` (its --help group, default the
+    section's), ``metavar``, ``parse`` (text -> value, for a tuple field; ConfigError
+    naming the text when it cannot), ``cli=False`` (no flag of its own).
+    """
+    return dataclasses.field(default=default, metadata={"help": help, **spec})
+
+
+def _joined(values: tuple) -> str:
+    return ",".join(map(str, values))
+
+
+def parse_fractions(text: str) -> tuple[float, ...]:
+    """``"0.9,0.05,0.05"`` → ``(0.9, 0.05, 0.05)``; ConfigError if not numbers (the
+    values themselves are checked by :class:`DataConfig`)."""
+    try:
+        return tuple(float(x) for x in str(text).split(","))
+    except ValueError:
+        raise ConfigError(
+            f"--split-fractions {text!r} must be three comma-separated numbers "
+            f"train,valid,test, e.g. {_joined(SPLIT_FRACTIONS)}") from None
+
+
+def parse_ints(flag_name: str, text: str, count: int | None = None) -> tuple[int, ...]:
+    """``"1,2,3"`` → ``(1, 2, 3)``; ConfigError naming ``flag_name`` and ``text`` if they
+    are not integers (or not ``count`` of them)."""
+    try:
+        values = tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{flag_name} {text!r} must be comma-separated integers") from None
+    if count is not None and len(values) != count:
+        raise ConfigError(f"{flag_name} {text!r} must have {count} comma-separated integers")
+    return values
+
+
+def parse_devices(text: str) -> tuple[str, ...]:
+    """``'/gpu:0,/gpu:1'`` → ``('/gpu:0', '/gpu:1')``; empty text → ``()``."""
+    items = tuple(p.strip() for p in str(text).split(",") if p.strip())
+    if str(text).strip() and not items:
+        raise ConfigError(f"--devices {text!r} names no device; use a form like /cpu:0,/cpu:1")
+    return items
+
+
+def parse_profile_steps(text: str) -> tuple[int, ...]:
+    """``"A,B"`` → ``(A, B)`` with ``0 < A <= B``; empty → ``()``."""
+    steps = parse_ints("--profile-steps", text)
+    if steps and (len(steps) != 2 or not 0 < steps[0] <= steps[1]):
+        raise ConfigError(f"--profile-steps {text!r} must be A,B with 0 < A <= B")
+    return steps
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Where text comes from and how it becomes batches."""
 
-    # "synthetic" (generated, with an exact oracle), "ptb" / "wikitext-2" (found in
-    # input_dir), "tfds:NAME" (TensorFlow Datasets, never downloaded here), a folder path,
-    # or the path of one text file (cut into train/valid/test by split_fractions).
-    source: str = "synthetic"
-    # A one-file source's train, valid and test shares of its non-blank lines, taken as
-    # contiguous blocks in that order (ignored by other sources).
-    split_fractions: tuple[float, float, float] = SPLIT_FRACTIONS
-    # How lines become tokens: "whitespace", "punct" or "char" (tfpar/data/tokenize.py).
-    tokenizer: str = "whitespace"
-    # Folder that holds named corpora: input/<name>/.
-    input_dir: str = "input"
-    # TensorFlow Datasets data_dir for tfds:NAME sources (None: TFDS's default).
-    tfds_data_dir: str | None = None
-    # "sentence": one line per example, bucketed and padded; "stream": the split as
-    # contiguous columns cut into bptt windows, RNN state carried across windows.
-    mode: str = "sentence"
-    # Window length in stream mode (time steps per training example).
-    bptt: int = 35
-    # Keep at most this many vocabulary entries, specials included (0: keep every word).
-    vocab_size: int = 0
-    # Words seen fewer times than this in train become <unk>.
-    min_count: int = 1
-    # A vocabulary file (one token per line, line number = id, starting <pad> <unk> <eos>,
-    # e.g. a previous run's vocab.txt) used whole instead of counting the train split
-    # (None: count it). vocab_size and min_count do not apply to it. A resume compares
-    # its contents, not its path, with the run's saved vocab.txt.
-    vocab_file: str | None = None
-    # Longest example in sentence mode, in predicted tokens (words + <eos>).
-    max_length: int = 80
-    # What to do with a longer sentence: "split" it into max_length pieces (every token is
-    # still predicted once) or "truncate" it (the tail is dropped and counted in the log).
-    long_sentences: str = "split"
-    # Bucket boundaries are chosen from the train length histogram so that the expected
-    # share of pad tokens stays below this fraction.
-    max_pad_fraction: float = 0.02
-    # Sentence-mode training shuffles each epoch's file (shard) order and then lines
-    # through a buffer of this many lines (bounded memory, whatever the corpus size). The
-    # default holds all of PTB (42,068 lines) or WikiText-2 (23,767), a full shuffle.
-    shuffle_buffer: int = 100_000
-    # Synthetic corpus size, in sentences per split.
-    synthetic_train: int = 20000
-    synthetic_valid: int = 2000
-    synthetic_test: int = 2000
+    source: str = flag(
+        "synthetic", "synthetic (generated, with an exact oracle) | ptb | wikitext-2 (found "
+        "in --input-dir) | tfds:NAME (TensorFlow Datasets, never downloaded here) | a folder "
+        "with train/valid/test splits | one UTF-8 text file, cut into train/valid/test by "
+        "--split-fractions", name="data")
+    split_fractions: tuple[float, float, float] = flag(
+        SPLIT_FRACTIONS, "a one-file --data: the train,valid,test shares of its non-blank "
+        "lines, taken as contiguous blocks in that order; each > 0, summing to 1",
+        metavar="TRAIN,VALID,TEST", parse=parse_fractions)
+    tokenizer: str = flag(
+        "whitespace", "how lines become tokens (tfpar/data/tokenize.py): whitespace (split at "
+        "spaces and tabs) | punct (words and punctuation apart: 'sir!' -> 'sir !') | char "
+        "(every character, spaces included; a line end is <eos>)")
+    input_dir: str = flag("input", "folder holding named corpora as <input-dir>/<name>/")
+    tfds_data_dir: str | None = flag(
+        None, "TensorFlow Datasets data_dir for tfds:NAME (never downloaded here; default: "
+        "TFDS's own)")
+    mode: str = flag(
+        "sentence", "sentence (one line per example, bucketed and padded) | stream (the split "
+        "as contiguous columns cut into --bptt windows, the RNN state carried across them)")
+    bptt: int = flag(35, "stream mode: window length in time steps")
+    vocab_size: int = flag(
+        0, "keep at most N vocabulary entries, <pad> <unk> <eos> included (0: every word)")
+    min_count: int = flag(1, "words seen fewer times than this in train become <unk>")
+    # A resume compares the vocabulary file's contents, not its path, with the run's
+    # saved vocab.txt.
+    vocab_file: str | None = flag(
+        None, "use this vocabulary instead of counting the train split: one token per line, "
+        "line number = id, the first three lines <pad> <unk> <eos> (e.g. a previous run's "
+        "<model-dir>/vocab.txt); copied to <model-dir>/vocab.txt. It is used whole: "
+        "--vocab-size and --min-count do not apply (giving either is an error). It has no "
+        "train counts, so unigram_valid_ppl is not reported (default: count the train split)",
+        metavar="PATH")
+    max_length: int = flag(
+        80, "sentence mode: the longest example, in predicted tokens (words + <eos>)")
+    long_sentences: str = flag(
+        "split", "a sentence longer than --max-length: split (into --max-length pieces; every "
+        "token is still predicted once) | truncate (the tail is dropped and counted in the log)")
+    max_pad_fraction: float = flag(
+        0.02, "bucket boundaries are chosen from the train length histogram so that the "
+        "expected share of pad tokens stays below this")
+    shuffle_buffer: int = flag(
+        100_000, "sentence mode: each epoch shuffles the shard order, then lines through a "
+        "buffer of this many lines (memory stays bounded; the default holds PTB's 42,068 "
+        "lines or WikiText-2's 23,767: a full shuffle)", metavar="LINES")
+    # One flag for the three: --synthetic-sentences TRAIN,VALID,TEST (tfpar.tools.cli).
+    synthetic_train: int = flag(20000, "synthetic corpus: train sentences", cli=False)
+    synthetic_valid: int = flag(2000, "synthetic corpus: valid sentences", cli=False)
+    synthetic_test: int = flag(2000, "synthetic corpus: test sentences", cli=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "split_fractions", tuple(self.split_fractions))
@@ -186,60 +249,60 @@ class DataConfig:
 class ModelConfig:
     """The RNN language model's architecture."""
 
-    # Recurrent cell: "lstm" or "gru".
-    cell: str = "lstm"
-    # Number of stacked recurrent layers.
-    layers: int = 2
-    # Word embedding width.
-    embed_dim: int = 200
-    # Recurrent state width of every layer.
-    hidden_dim: int = 200
-    # Dropout rate after the embedding and after every recurrent layer (0: off); the
-    # three sites below override it one by one (None: this rate).
-    dropout: float = 0.2
-    # ... on the embedding output (AWD-LSTM's dropouti),
-    dropout_input: float | None = None
-    # ... between recurrent layers (dropouth),
-    dropout_hidden: float | None = None
-    # ... on the last layer's output, before the softmax (dropout).
-    dropout_output: float | None = None
-    # Variational ("locked") dropout: one mask per sequence, shared by all its time steps
-    # (Gal & Ghahramani 2016), instead of one per token.
-    locked_dropout: bool = False
-    # Embedding (word-type) dropout: a whole word's vector is dropped for a step, in
-    # every position it appears (Gal & Ghahramani 2016; AWD-LSTM's dropoute).
-    embed_dropout: float = 0.0
-    # Weight drop (DropConnect) on every recurrent matrix, one mask per step (Wan et al.
-    # 2013; Merity et al. 2017's wdrop).
-    weight_drop: float = 0.0
-    # Share the embedding matrix with the softmax (a learned hidden_dim x embed_dim
-    # projection before it when the two differ).
-    tie_embeddings: bool = True
-    # Initialise every weight uniformly in [-init_scale, init_scale] (0: Keras defaults).
-    init_scale: float = 0.1
-    # "fp32"; "bf16": the large matmuls (the RNN input projections and their weight
-    # gradients, the softmax) run in bfloat16 on float32 weights; recurrent state, loss
-    # and optimizer stay float32 (pays off on CPUs with AMX/AVX512-BF16); or a Keras
-    # mixed-precision policy, "mixed_bfloat16" or "mixed_float16" (with loss scaling):
-    # see tfpar.model.precision.
-    precision: str = "fp32"
-    # The training loss: "full" (every word's logit) or "sampled" (tf.nn.sampled_softmax_loss
-    # over each target and num_sampled log-uniform candidates shared by the whole global
-    # batch; tfpar.objective.sampling). Evaluation, scoring, generation and the export
-    # always use the full softmax. Untied, a sampled model's softmax kernel is stored
-    # [V, H] (one row per word, so its gradient stays sparse), a full one's [H, V].
-    softmax: str = "full"
-    # Candidates per step with softmax "sampled" (None there: DEFAULT_NUM_SAMPLED);
-    # 1 <= num_sampled < the vocabulary size. Must be None with softmax "full".
-    num_sampled: int | None = None
-    # How the full softmax's loss is computed (training, evaluation, score): True block by
-    # block from the hidden states, each block's logits in cache and never all [N, V] of
-    # them (tfpar.objective.fused); False: the logits, then the cross-entropy (the
-    # unfused path, kept for comparison). The same weights and loss either way.
-    fused_softmax: bool = True
-    # The fused loss's largest block of logits, "ROWSxCOLUMNS" (tokens x vocabulary
-    # entries, e.g. "512x16384"); None: DEFAULT_SOFTMAX_BLOCKS.
-    softmax_blocks: str | None = None
+    cell: str = flag("lstm", "recurrent cell: lstm | gru")
+    layers: int = flag(2, "stacked recurrent layers")
+    embed_dim: int = flag(200, "word embedding width")
+    hidden_dim: int = flag(200, "recurrent state width of every layer")
+    dropout: float = flag(
+        0.2, "dropout rate on the embedding output, between layers and before the softmax "
+        "(0: off); the next three flags override it per site")
+    dropout_input: float | None = flag(
+        None, "dropout rate on the embedding output, AWD-LSTM's dropouti (default: --dropout)")
+    dropout_hidden: float | None = flag(
+        None, "dropout rate between recurrent layers, dropouth (default: --dropout)")
+    dropout_output: float | None = flag(
+        None, "dropout rate on the last layer's output, before the softmax (default: "
+        "--dropout)")
+    locked_dropout: bool = flag(
+        False, "variational dropout: one mask per sequence for all its time steps (Gal & "
+        "Ghahramani 2016; default: one per token)")
+    embed_dropout: float = flag(
+        0.0, "word-type dropout: drop a word's vector everywhere it occurs in a step "
+        "(AWD-LSTM's dropoute; 0: off)")
+    weight_drop: float = flag(
+        0.0, "DropConnect on every recurrent matrix, one mask per step (Wan et al. 2013; "
+        "AWD-LSTM's wdrop; 0: off)")
+    tie_embeddings: bool = flag(
+        True, "share the embedding with the softmax (a learned hidden-dim x embed-dim "
+        "projection before it when the two differ)")
+    init_scale: float = flag(
+        0.1, "initialise every weight uniformly in [-s, s] (0: Keras' defaults)")
+    precision: str = flag(
+        "fp32", "fp32 | bf16 (the large matmuls in bfloat16 on float32 weights; recurrent "
+        "state, loss and optimizer stay float32; for CPUs with AMX/AVX512-BF16) | "
+        "mixed_bfloat16 | mixed_float16 (Keras mixed-precision policies: float32 variables, "
+        "16-bit compute, float32 softmax and loss; mixed_float16 with dynamic loss scaling; "
+        "for GPUs: bfloat16 on A100/H100, float16 on V100/T4; tfpar.model.precision)")
+    # Untied, a sampled model's softmax kernel is stored [V, H] (one row per word, so its
+    # gradient stays sparse), a full one's [H, V].
+    softmax: str = flag(
+        "full", "the training loss: full (every word's logit) | sampled "
+        "(tf.nn.sampled_softmax_loss over each target and --num-sampled log-uniform "
+        "candidates, one draw per step shared by every replica: tfpar.objective.sampling; "
+        "for vocabularies of 100k+ words; gradients of the embedding and softmax stay "
+        "sparse). Evaluation, score, generate and the export always use the full softmax")
+    num_sampled: int | None = flag(
+        None, f"--softmax sampled: candidates per step, 1 <= K < vocabulary size (default: "
+        f"{DEFAULT_NUM_SAMPLED}; an error without --softmax sampled)", metavar="K")
+    fused_softmax: bool = flag(
+        True, "compute the full softmax's loss (training, evaluation, score) block by block "
+        "from the hidden states, each block's logits in cache, never all [tokens, V] of them "
+        "(tfpar.objective.fused); --no-fused-softmax: the logits, then the cross-entropy "
+        "(the unfused path, kept for comparison). The same weights and loss either way")
+    softmax_blocks: str | None = flag(
+        None, "the fused softmax's largest block of logits, tokens x vocabulary entries "
+        "(default: %dx%d, measured: tfpar/docs/benchmarks.md)" % DEFAULT_SOFTMAX_BLOCKS,
+        metavar="ROWSxCOLUMNS")
 
     def __post_init__(self) -> None:
         _choice("cell", self.cell, CELLS)
@@ -289,54 +352,59 @@ class ModelConfig:
 class TrainConfig:
     """Optimisation and the training loop."""
 
-    # "sgd", "adam" or "adagrad" (with sparse gradients, SGD and Adagrad update only the
-    # rows a step touched; Adam every row: tfpar/docs/models.md, "Huge vocabularies").
-    optimizer: str = "sgd"
-    # Base learning rate (before decay, warm-up and linear scaling).
-    lr: float = 20.0
-    # Multiply the learning rate by this after every epoch past decay_after.
-    lr_decay: float = 1.0
-    # Epochs trained at the base learning rate before the decay starts.
-    decay_after: int = 0
-    # "linear": multiply lr by num_replicas (the linear scaling rule); "none": keep it.
-    scale_lr: str = "none"
-    # Ramp the learning rate linearly from 0 over this many steps (0: no warm-up).
-    warmup_steps: int = 0
-    # Clip the aggregated gradient to this global norm (0: no clipping).
-    clip_norm: float = 0.25
-    # Passes over the training split.
-    epochs: int = 1
-    # Stop after this many optimizer steps in total (0: no limit).
-    max_steps: int = 0
-    # Global batch size: sentences (sentence mode) or columns (stream mode), all replicas.
-    batch_size: int = 20
-    # Global batch size for evaluation (0: same as batch_size).
-    eval_batch_size: int = 0
-    # Seed for initial weights, shuffling and dropout.
-    seed: int = 0
-    # Ask TensorFlow for deterministic kernels (slower; bit-exact resumes where TF allows).
-    deterministic: bool = False
-    # What a non-finite loss or gradient does: "stop" the run or "skip" the update.
-    on_nan: str = "stop"
-    # --on-nan skip gives up after this many non-finite batches in a row (0: never).
-    nan_patience: int = 10
-    # Decoupled weight decay (Loshchilov & Hutter): each step w -= lr * weight_decay * w,
-    # on every weight (Keras optimizers' weight_decay).
-    weight_decay: float = 0.0
-    # Stop training after this many minutes of the loop (0: no limit), then evaluate and
-    # export as at the end; a run resumed later gets the limit anew.
-    time_limit: float = 0.0
-    # Training steps per tf.function call (a loop over the input iterator inside the
-    # graph, no host round trip between them); 1: one step per call. None: chosen by the
-    # run from where it trains (tfpar.training.run.steps_per_execution: 1 on CPUs, more
-    # on GPUs, whose short steps the host's per-call overhead would otherwise slow).
-    steps_per_execution: int | None = None
-    # Stop training after this many epochs in a row without a better valid perplexity
-    # (0: never).
-    early_stop: int = 0
-    # Multiply the learning rate by this after every epoch whose valid perplexity is not
-    # the best so far (PyTorch's word_language_model divides by 4: 0.25); 0: off.
-    lr_decay_on_plateau: float = 0.0
+    optimizer: str = flag(
+        "sgd", "sgd | adam | adagrad. With --softmax sampled the embedding and softmax "
+        "gradients are sparse: sgd (no momentum) and adagrad update only the rows a step "
+        "touched; adam updates every row (its moments decay everywhere), and so does "
+        "--weight-decay (tfpar/docs/models.md, Huge vocabularies)")
+    lr: float = flag(
+        20.0, "base learning rate, before decay, warm-up and --scale-lr (20 is for plain SGD "
+        "on the per-token mean loss; Adam wants about 1e-3)")
+    lr_decay: float = flag(1.0, "multiply the learning rate by this after every epoch past "
+                           "--decay-after")
+    decay_after: int = flag(0, "epochs trained at the base learning rate before --lr-decay "
+                            "applies")
+    scale_lr: str = flag(
+        "none", "none | linear (multiply the learning rate by the replica count, the linear "
+        "scaling rule; use warm-up)")
+    warmup_steps: int = flag(0, "ramp the learning rate linearly from 0 over this many "
+                             "steps (0: no warm-up)")
+    clip_norm: float = flag(0.25, "clip the aggregated gradient to this global norm "
+                            "(0: no clipping)")
+    epochs: int = flag(1, "passes over the training split (1 keeps `make train` under 3 "
+                       "minutes)")
+    max_steps: int = flag(0, "stop after this many optimizer steps in total (0: no limit)")
+    batch_size: int = flag(
+        20, "GLOBAL batch size: sentences (sentence mode) or stream columns, over all "
+        "replicas")
+    eval_batch_size: int = flag(0, "global batch size for evaluation (0: --batch-size)")
+    seed: int = flag(0, "seed for the initial weights, shuffling and dropout")
+    deterministic: bool = flag(
+        False, "deterministic TensorFlow kernels for the whole process (slower; bit-exact "
+        "resumes where TensorFlow allows)")
+    on_nan: str = flag("stop", "what a non-finite loss or gradient does: stop the run | "
+                       "skip the update")
+    nan_patience: int = flag(
+        10, "--on-nan skip gives up after this many non-finite batches in a row (0: never)")
+    weight_decay: float = flag(
+        0.0, "decoupled weight decay (Loshchilov & Hutter): each step w -= lr * wd * w, on "
+        "every weight (Keras optimizers' weight_decay; 0: off)")
+    time_limit: float = flag(
+        0.0, "stop training after this many minutes of the loop (checkpoint, then evaluate "
+        "and export as at the end; a run resumed later gets the limit anew; 0: no limit)")
+    steps_per_execution: int | None = flag(
+        None, "run N training steps per tf.function call, in a loop inside the graph "
+        "(losses come back once per call; checkpoints, summaries, --max-steps and the "
+        "non-finite guard keep their meaning) (default: chosen by the run, "
+        "tfpar.training.run.steps_per_execution: 1 on CPUs, 20 when the strategy's devices "
+        "are GPUs, where a step is short against the host's ~1 ms per call)", metavar="N")
+    early_stop: int = flag(
+        0, "stop training after this many epochs in a row without a better valid "
+        "perplexity (0: never)", metavar="EPOCHS")
+    lr_decay_on_plateau: float = flag(
+        0.0, "multiply the learning rate by FACTOR after each epoch whose valid perplexity "
+        "is not the best so far (0.25: divide by 4, as PyTorch's word_language_model; "
+        "0: off)", metavar="FACTOR")
 
     def __post_init__(self) -> None:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -370,40 +438,49 @@ class TrainConfig:
 class DistConfig:
     """How the work is spread over devices and processes."""
 
-    # A name from tfpar.parallel.registry.STRATEGIES.
-    strategy: str = "default"
-    # Explicit devices, e.g. ("/gpu:0", "/gpu:1") or ("/cpu:0", "/cpu:1"); empty: automatic.
-    devices: tuple[str, ...] = ()
-    # Split the host CPU into this many logical devices (0: automatic).
-    cpu_devices: int = 0
-    # Cross-device reduction of MirroredStrategy.
-    all_reduce: str = "auto"
-    # Tower strategy: where the variables live, a device or "cpu" (empty: the first
-    # tower's device).
-    variable_device: str = ""
-    # Tower strategy: "controller" gathers gradients on the variable device; "ring" runs
-    # a chunked ring all-reduce across the tower devices.
-    tower_reduce: str = "controller"
-    # Multi-worker collective communication.
-    communication: str = "auto"
-    # Pipeline strategy: part=device assignments, e.g. "embedding=/cpu:0,rnn=/cpu:1".
-    stages: str = ""
-    # Pipeline strategy: micro-batches per global batch.
-    micro_batches: int = 4
-    # Log where every op runs (TensorFlow's placement log).
-    log_device_placement: bool = False
-    # Let ops without a kernel on the requested device fall back to another device (the
-    # sampled softmax's accidental-hit removal has only a CPU kernel). None: TensorFlow's
-    # default, on.
-    soft_placement: bool | None = None
-    # Threads one op may use (TF's intra-op pool); 0: automatic (see
-    # tfpar.parallel.devices.intra_op_threads).
-    intra_op_threads: int = 0
-    # Hide every GPU and train on CPUs (tfpar.parallel.devices.configure_gpus); without
-    # it, a host that should have GPUs where TensorFlow finds none is an error.
-    cpu_only: bool = False
-    # multi_worker / parameter_server: where the cluster comes from (CLUSTER_SOURCES).
-    cluster: str = "auto"
+    strategy: str = flag(
+        "default", "default | one_device | mirrored | tower | pipeline | parallel_do | "
+        "multi_worker | parameter_server (tfpar.parallel.registry)")
+    devices: tuple[str, ...] = flag(
+        (), "comma-separated devices, e.g. /gpu:0,/gpu:1 or /cpu:0,/cpu:1 (default: every "
+        "GPU, else logical CPU devices)", parse=parse_devices)
+    cpu_devices: int = flag(
+        0, "split the host CPU into N logical devices (default 0: 2 for multi-device "
+        "strategies on a host without GPUs)")
+    all_reduce: str = flag(
+        "auto", "mirrored's cross-device reduction: auto | nccl | hierarchical_copy | "
+        "reduce_to_one (auto: NCCL with >= 2 GPUs, else reduce_to_one)")
+    variable_device: str = flag(
+        "", "tower: where the variables live, a device or cpu (the host CPU, as TF1's "
+        "cifar10_multi_gpu_train; default: the first tower's device)")
+    tower_reduce: str = flag(
+        "controller", "tower: controller (gather the gradients on the variable device) | "
+        "ring (a chunked ring all-reduce across the towers)")
+    communication: str = flag("auto", "multi_worker collectives: auto | ring | nccl")
+    cluster: str = flag(
+        "auto", "multi_worker / parameter_server: where the cluster comes from: tf_config "
+        "(the TF_CONFIG variable, as Kubernetes' TFJob writes it) | slurm (the srun job "
+        "step's SLURM_* variables; multi_worker) | auto (TF_CONFIG if set, else the Slurm "
+        "step)")
+    stages: str = flag(
+        "", "pipeline: part=device list, e.g. embedding=/cpu:0,rnn=/cpu:1,softmax=/cpu:1 "
+        "(default: the parts spread over the devices)")
+    micro_batches: int = flag(4, "pipeline: micro-batches per global batch")
+    log_device_placement: bool = flag(
+        False, "log the device every op runs on (TensorFlow's placement log)")
+    # The sampled softmax's accidental-hit removal has only a CPU kernel.
+    soft_placement: bool | None = flag(
+        None, "let ops with no kernel on the requested device run elsewhere (default: "
+        "TensorFlow's, on; --no-soft-placement makes such an op an error, to find ops that "
+        "leave their device)")
+    intra_op_threads: int = flag(
+        0, "threads one op may use (default 0: with N logical CPU devices working at once, "
+        "the host's cores / N, so replicas or stages run side by side instead of sharing "
+        "every core, tfpar.parallel.devices.intra_op_threads; else TensorFlow's default)")
+    cpu_only: bool = flag(
+        False, "hide every GPU and train on CPUs (without it, a host with NVIDIA devices or "
+        "CUDA_VISIBLE_DEVICES where TensorFlow finds no GPU stops with an error: "
+        "tfpar.parallel.devices.configure_gpus)")
 
     def __post_init__(self) -> None:
         _choice("cluster", self.cluster, CLUSTER_SOURCES)
@@ -420,40 +497,50 @@ class DistConfig:
 class RunConfig:
     """Where a run writes and how often."""
 
-    # Checkpoints, TensorBoard events, vocabulary and config live here; re-using the
-    # folder resumes the run.
-    model_dir: str = ""
-    # SavedModels go to <export_dir>/<export_name>/<version>/.
-    export_dir: str = "saved_models"
-    export_name: str = "tfpar_lm"
-    # Write a SavedModel at the end of training.
-    export: bool = True
-    # Save a checkpoint every this many steps (0: at the end of every epoch only).
-    checkpoint_every: int = 0
-    # Checkpoints kept on disk.
-    keep_checkpoints: int = 3
-    # Write step summaries every this many steps.
-    log_every: int = 10
-    # Write the run's final figures to this JSON file ("" for none).
-    metrics_json: str = ""
-    # Show progress: a bar on a terminal, else a log line every progress_every seconds.
-    progress: bool = True
-    # Off a terminal: seconds between two progress lines (0: one line at each epoch end).
-    progress_every: float = 30.0
-    # Profile these steps (first, last) into the TensorBoard log (empty: no profile).
-    profile_steps: tuple[int, ...] = ()
-    # The weights the final evaluation and the export use: "best", those of the epoch
-    # with the best valid perplexity (kept in <model_dir>/best), or "last".
-    final_weights: str = "best"
-    # Fine-tuning: a fresh run starts from the model weights of this trained run's model
-    # dir ("": none) and takes its model shape, tokenizer and vocabulary
-    # (tfpar.training.run.init_source); a model dir with a checkpoint resumes instead.
-    init_from: str = ""
-    # Which of init_from's checkpoints: "latest" or "best" (its best epoch's).
-    init_weights: str = "latest"
-    # A side-car evaluator task (TF_CONFIG task type "evaluator") gives up, with an
-    # error, after this many seconds without a new checkpoint.
-    evaluator_timeout: float = 3600.0
+    model_dir: str = flag(
+        "", "checkpoints, TensorBoard events, vocabulary and config; re-use it to resume. A "
+        "local folder or a URL: gs://, ram://, and with tensorflow-io s3://, hdfs:// "
+        "(default: runs/<strategy>-<timestamp>)")
+    export_dir: str = flag(
+        "saved_models", "SavedModels go to <export-dir>/<export-name>/<version>/ (a local "
+        "folder or a URL, as --model-dir)")
+    export_name: str = flag("tfpar_lm", "the SavedModel's name")
+    export: bool = flag(True, "write a SavedModel at the end of training")
+    checkpoint_every: int = flag(
+        0, "save a checkpoint every N steps (0: at the end of every epoch only)")
+    keep_checkpoints: int = flag(3, "checkpoints kept on disk")
+    evaluator_timeout: float = flag(
+        3600.0, "a side-car evaluator task (TF_CONFIG task type evaluator) stops with an "
+        "error after this many seconds without a new checkpoint", metavar="SECONDS")
+    log_every: int = flag(10, "write step summaries every this many steps")
+    metrics_json: str = flag(
+        "", "write the run's final metrics to this JSON file (a local path or a URL; "
+        "default: none)")
+    final_weights: str = flag(
+        "best", "best | last: the weights the final valid/test evaluation and the export "
+        "use: those of the epoch with the best valid perplexity (kept in <model-dir>/best) "
+        "or the last ones")
+    progress: bool = flag(
+        True, "show progress: a bar on a terminal, else a log line every --progress-every "
+        "seconds")
+    progress_every: float = flag(
+        30.0, "when stdout is not a terminal (a file, a pipe, a job's log), progress is a "
+        "plain log line every SECONDS (the epoch's step, loss, ppl and tok/s so far, and an "
+        "ETA) instead of a redrawn bar; 0: one line at each epoch end", metavar="SECONDS")
+    profile_steps: tuple[int, ...] = flag(
+        (), "A,B: profile steps A..B into the TensorBoard log (default: none)",
+        parse=parse_profile_steps)
+    init_from: str = flag(
+        "", "fine-tune: start this run from the model weights of the trained run in model "
+        "dir DIR (not its optimizer, step, epoch or input position). The model's shape "
+        "(--cell, --layers, --embed-dim, --hidden-dim, --tie-embeddings, --softmax, "
+        "--num-sampled), --tokenizer and the vocabulary (DIR/vocab.txt, used as --vocab-file "
+        "is) are DIR's: those flags are not used (the log names any that differed; "
+        "tfpar.training.run.init_source). Only for a fresh --model-dir: one with a "
+        "checkpoint resumes it, as always", metavar="DIR", group="training")
+    init_weights: str = flag(
+        "latest", "--init-from: latest (DIR's last checkpoint) | best (its best epoch's, "
+        "kept in DIR/best)", group="training")
 
     def __post_init__(self) -> None:
         _choice("final-weights", self.final_weights, FINAL_WEIGHTS)

@@ -198,14 +198,6 @@ def set_placement_options(*, log_placement: bool, soft_placement: bool | None) -
         tf.config.set_soft_device_placement(soft_placement)
 
 
-def parse_device_list(text: str) -> tuple[str, ...]:
-    """'/gpu:0,/gpu:1' → ('/gpu:0', '/gpu:1'); empty text → ()."""
-    items = tuple(p.strip() for p in text.split(",") if p.strip())
-    if text.strip() and not items:
-        raise ConfigError(f"--devices {text!r} names no device; use a form like /cpu:0,/cpu:1")
-    return items
-
-
 def data_parallel_devices(dist, default_count: int = 2) -> list[str]:
     """The devices of a one-process data-parallel strategy (mirrored, tower,
     parallel_do): ``--devices``; else every GPU (one GPU is one replica); else, on a host

@@ -21,7 +21,7 @@ import math
 import sys
 from typing import Sequence
 
-from tfpar.config import Config, DataConfig
+from tfpar.config import Config, DataConfig, parse_fractions, parse_ints
 from tfpar.errors import ConfigError
 from tfpar.tools import cli
 from tfpar.tools.model_dir import (add_weights_flag, check_weights, checkpoint_path,
@@ -68,7 +68,7 @@ def evaluate_model_dir(args) -> dict:
     data_fields = {k: v for k, v in (("source", args.data), ("input_dir", args.input_dir))
                    if v is not None}
     if args.split_fractions is not None:
-        data_fields["split_fractions"] = cli.split_fractions(args.split_fractions)
+        data_fields["split_fractions"] = parse_fractions(args.split_fractions)
     config = config.replace(data=data_fields)
     config = Config(data=config.data, model=config.model, train=config.train,
                     dist=cli.dist_config_from_args(args), run=config.run)
@@ -105,9 +105,9 @@ def evaluate_saved_model(args) -> dict:
         raise ConfigError("--strategy, --devices and --cpu-devices apply to --model-dir only; "
                           "a SavedModel is scored on one device")
     check_weights(args)
-    sizes = cli._int_list("--synthetic-sentences", args.synthetic_sentences, 3)
+    sizes = parse_ints("--synthetic-sentences", args.synthetic_sentences, 3)
     fractions = {} if args.split_fractions is None else {
-        "split_fractions": cli.split_fractions(args.split_fractions)}
+        "split_fractions": parse_fractions(args.split_fractions)}
     data = DataConfig(source=args.data or "synthetic", input_dir=args.input_dir or "input",
                       synthetic_train=sizes[0], synthetic_valid=sizes[1],
                       synthetic_test=sizes[2], **fractions)
