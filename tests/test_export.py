@@ -49,7 +49,7 @@ def exported(tmp_path_factory):
     vocab = Vocab.build(LINES)
     config = small_config(tmp)
     model = build_model(config.model, len(vocab), seed=1)
-    path = export.export_model(model, vocab, config)
+    path = export.export_model(model, vocab, config.run)
     return model, vocab, config, tf.saved_model.load(path), path
 
 
@@ -63,7 +63,7 @@ def gen(loaded, prompts, *, max_tokens=8, temperature=1.0, top_k=0, seed=0, stop
 def test_each_export_is_the_next_version_and_nothing_else_is_left(exported, tmp_path):
     model, vocab, _, _, _ = exported
     config = small_config(tmp_path, export_name="lm")
-    paths = [export.export_model(model, vocab, config) for _ in range(2)]
+    paths = [export.export_model(model, vocab, config.run) for _ in range(2)]
     assert paths == [str(tmp_path / "lm" / "1"), str(tmp_path / "lm" / "2")]
     assert sorted(os.listdir(tmp_path / "lm")) == ["1", "2"]  # no .staging-* left
     assert sorted(os.listdir(paths[1])) == ["assets", "fingerprint.pb", "saved_model.pb",
@@ -78,7 +78,7 @@ def test_unwritable_export_dir_is_a_one_line_error_and_writes_nothing(exported, 
     blocker.write_text("not a folder")
     with pytest.raises(CheckpointError, match=r"^cannot write to --export-dir '.*a_file': "
                                               r".*; give a writable folder or --no-export$"):
-        export.export_model(model, vocab, small_config(blocker))
+        export.export_model(model, vocab, small_config(blocker).run)
     assert os.listdir(tmp_path) == ["a_file"]
 
 
@@ -94,11 +94,11 @@ def test_a_full_disk_during_the_save_leaves_no_version_and_no_staging(exported, 
     monkeypatch.setattr(tf.saved_model, "save", disk_full)
     with pytest.raises(CheckpointError, match=r"^export to '.*lm' failed: No space left on "
                                               r"device; nothing was written$"):
-        export.export_model(model, vocab, config)
+        export.export_model(model, vocab, config.run)
     assert os.listdir(tmp_path / "lm") == ["1"]
     # A first export that fails removes the folders it created.
     with pytest.raises(CheckpointError):
-        export.export_model(model, vocab, small_config(tmp_path / "new" / "deeper"))
+        export.export_model(model, vocab, small_config(tmp_path / "new" / "deeper").run)
     assert os.listdir(tmp_path) == ["lm"]
 
 

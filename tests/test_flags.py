@@ -509,6 +509,8 @@ def test_every_flag_of_every_script_is_in_a_test():
     (lambda: cfg.RunConfig(keep_checkpoints=0), "keep-checkpoints must be > 0, got 0"),
     (lambda: cfg.RunConfig(evaluator_timeout=0), "--evaluator-timeout must be > 0 seconds, got 0"),
     (lambda: cfg.RunConfig(log_every=0), "log-every must be > 0, got 0"),
+    (lambda: cfg.RunConfig(init_weights="first"),
+     "unknown init-weights 'first'; expected one of: latest, best"),
     (lambda: cfg.Config.from_dict({"train": {"learning_rate": 1, "lr": 1, "steps": 2}}),
      "unknown train config field(s): learning_rate, steps"),
 ])

@@ -66,7 +66,7 @@ def test_weight_decay_shrinks_every_weight_by_lr_times_decay():
 
     model = build_model(model_config(embed_dim=8, hidden_dim=8), 20)
     config = small_config(train=train_config(optimizer="sgd", lr=0.5, weight_decay=0.1))
-    optimizer = optimizer_factory(config, 1)(tf.Variable(0, dtype=tf.int64), tf.Variable(1.0))
+    optimizer = optimizer_factory(config.train, 1)(tf.Variable(0, dtype=tf.int64), tf.Variable(1.0))
     before = [v.numpy() for v in model.trainable_variables]
     optimizer.apply_gradients([(tf.zeros_like(v), v) for v in model.trainable_variables])
     for old, v in zip(before, model.trainable_variables):

@@ -408,7 +408,7 @@ def test_the_factorys_optimizer_applies_the_decayed_rate_in_a_step():
                                       clip_norm=0.0))
     weights = initial_weights(FULL)
     ours = tfpar_run(FULL, weights, config.train.clip_norm,
-                     make_optimizer=optimizer_factory(config, num_replicas=1))
+                     make_optimizer=optimizer_factory(config.train, num_replicas=1))
     oracle = Oracle(FULL, weights, 0.0)  # only its gradients are used here
     for e, lr, rows in ((1, 0.8, BATCHES[0]), (2, 0.4, BATCHES[1]), (3, 0.2, BATCHES[2])):
         ours.state.epoch.assign(e)

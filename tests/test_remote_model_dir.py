@@ -287,7 +287,7 @@ def test_an_export_to_a_url_moves_saved_model_pb_last_and_a_failed_move_leaves_n
     monkeypatch.setattr(tf.io.gfile, "rename", fails_at_saved_model_pb)
     with pytest.raises(CheckpointError, match=r"^export to 'ram://.*/models/lm' failed: "
                                               r"connection reset; nothing was written$"):
-        export.export_model(build_model(config.model, len(vocab), seed=1), vocab, config)
+        export.export_model(build_model(config.model, len(vocab), seed=1), vocab, config.run)
     assert {m.rpartition("/lm/1/")[2] for m in moved if "/lm/1/" in m} >= {
         "fingerprint.pb", "assets/vocab.txt", "variables/variables.index"}
     assert tf.io.gfile.listdir(ram_root) == []  # no version, no staging, no folders made

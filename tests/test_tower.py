@@ -327,8 +327,8 @@ def test_soft_placement_lets_a_tower_fall_back(soft_placement):
 def test_linear_scaling_multiplies_by_towers_and_warmup_ramps():
     towers = build_strategy(DistConfig(strategy="tower", cpu_devices=3)).num_replicas
     linear = small_config(train=train_config(lr=0.1, scale_lr="linear", warmup_steps=4))
-    assert base_learning_rate(linear, towers) == pytest.approx(0.3)
-    assert base_learning_rate(small_config(train=train_config(lr=0.1)), towers) == pytest.approx(0.1)
+    assert base_learning_rate(linear.train, towers) == pytest.approx(0.3)
+    assert base_learning_rate(train_config(lr=0.1), towers) == pytest.approx(0.1)
     schedule = EpochSchedule(0.3, 1.0, 0, 4, tf.Variable(0, dtype=tf.int64))
     lrs = [float(schedule(step)) for step in range(6)]
     np.testing.assert_allclose(lrs, [0.075, 0.15, 0.225, 0.3, 0.3, 0.3], rtol=1e-6)

@@ -51,7 +51,7 @@ import tensorflow as tf
 
 from tfpar import files
 from tfpar.serving import sample
-from tfpar.config import Config
+from tfpar.config import RunConfig
 from tfpar.errors import CheckpointError
 from tfpar.objective.output import output_loss
 from tfpar.objective.losses import token_mask
@@ -166,14 +166,14 @@ def _names(folder: str) -> list[str]:
     return [n.rstrip("/") for n in tf.io.gfile.listdir(folder)]
 
 
-def fresh_copy(model, config: Config):
+def fresh_copy(model):
     """The same architecture and weights, built outside any strategy scope."""
-    copy = build_model(config.model, model.vocab_size, seed=config.train.seed)
+    copy = build_model(model.config, model.vocab_size)
     copy.set_weights(model.get_weights())
     return copy
 
 
-def export_model(model, vocab: Vocab, config: Config) -> str:
+def export_model(model, vocab: Vocab, run: RunConfig) -> str:
     """Writes the next version of the SavedModel and returns its path.
 
     ``--export-dir`` may be a local folder or a URL (``gs://…``, ``s3://…``, ``hdfs://…``,
@@ -189,7 +189,7 @@ def export_model(model, vocab: Vocab, config: Config) -> str:
       CheckpointError: the export dir cannot be written (the message names it); nothing
         half-written is left behind.
     """
-    base = os.path.join(config.run.export_dir, config.run.export_name)
+    base = os.path.join(run.export_dir, run.export_name)
     created = _missing_folders(base)
     staging = os.path.join(base, f".staging-{uuid.uuid4().hex}")
     try:
@@ -198,11 +198,11 @@ def export_model(model, vocab: Vocab, config: Config) -> str:
         for folder in created:
             _remove_if_empty(folder)
         raise CheckpointError(
-            f"cannot write to --export-dir {config.run.export_dir!r}: {files.reason(e)}; give "
+            f"cannot write to --export-dir {run.export_dir!r}: {files.reason(e)}; give "
             "a writable folder or --no-export") from None
     try:
         vocab.save(staging)
-        module = LanguageModelModule(fresh_copy(model, config),
+        module = LanguageModelModule(fresh_copy(model),
                                      os.path.join(staging, "vocab.txt"),
                                      tokenizer=vocab.tokenizer)
         out = os.path.join(staging, "model")

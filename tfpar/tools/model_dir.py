@@ -10,7 +10,6 @@ training saved them, by name (:func:`tfpar.training.state.named_weights`).
 from __future__ import annotations
 
 import argparse
-import os
 
 from tfpar.errors import ConfigError
 # Read back in the training layer, where a fine-tuning run (--init-from) reads it too.

@@ -225,7 +225,8 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
         log.info("input: %s", data.share_summary("train", plugin.num_workers))
 
     state = build_train_state(plugin.scope(), config.model, len(vocab), seed=config.train.seed,
-                              make_optimizer=optimizer_factory(config, plugin.num_replicas),
+                              make_optimizer=optimizer_factory(
+                                  config.train, plugin.num_replicas, config.model.precision),
                               fixed_shapes=config.data.mode == "stream",
                               carry_rows=config.train.batch_size
                               if config.data.mode == "stream" and not asynchronous else 0)
@@ -278,7 +279,7 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
     metrics["test_ppl"] = perplexity(nll, count)
     writer.scalars("eval", {"final_test_perplexity": metrics["test_ppl"]}, last_step)
     if config.run.export and plugin.is_chief:
-        metrics["export_path"] = export.export_model(state.model, vocab, config)
+        metrics["export_path"] = export.export_model(state.model, vocab, config.run)
     _report(metrics)
     if config.run.metrics_json and plugin.is_chief:
         _write_json(config.run.metrics_json, metrics)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfpar.config import Config
+from tfpar.config import TrainConfig
 from tfpar.model.precision import with_loss_scaling
 
 
@@ -53,31 +53,32 @@ def applied_learning_rate(optimizer: keras.optimizers.Optimizer, step: int) -> f
     return float(optimizer.learning_rate)
 
 
-def base_learning_rate(config: Config, num_replicas: int) -> float:
+def base_learning_rate(train: TrainConfig, num_replicas: int) -> float:
     """``--lr``, times the replica count under ``--scale-lr linear``.
 
     The linear scaling rule (Goyal et al., 2017) keeps the per-example step size when the
     global batch grows with the replica count; it needs warm-up and breaks down for very
     large batches.
     """
-    factor = num_replicas if config.train.scale_lr == "linear" else 1
-    return config.train.lr * factor
+    factor = num_replicas if train.scale_lr == "linear" else 1
+    return train.lr * factor
 
 
-def optimizer_factory(config: Config, num_replicas: int):
-    """``make_optimizer(epoch_variable)`` for :func:`tfpar.training.state.build_train_state`."""
+def optimizer_factory(train: TrainConfig, num_replicas: int, precision: str = "fp32"):
+    """``make_optimizer(epoch_variable, lr_scale_variable)`` for
+    :func:`tfpar.training.state.build_train_state`: ``train``'s optimizer and schedule,
+    with loss scaling where the model's ``precision`` is mixed_float16."""
 
     def make(epoch: tf.Variable, lr_scale: tf.Variable) -> keras.optimizers.Optimizer:
-        schedule = EpochSchedule(base_learning_rate(config, num_replicas),
-                                 config.train.lr_decay, config.train.decay_after,
-                                 config.train.warmup_steps, epoch, lr_scale)
-        decay = config.train.weight_decay or None
-        if config.train.optimizer == "sgd":
+        schedule = EpochSchedule(base_learning_rate(train, num_replicas), train.lr_decay,
+                                 train.decay_after, train.warmup_steps, epoch, lr_scale)
+        decay = train.weight_decay or None
+        if train.optimizer == "sgd":
             optimizer = keras.optimizers.SGD(learning_rate=schedule, weight_decay=decay)
-        elif config.train.optimizer == "adagrad":
+        elif train.optimizer == "adagrad":
             optimizer = keras.optimizers.Adagrad(learning_rate=schedule, weight_decay=decay)
         else:
             optimizer = keras.optimizers.Adam(learning_rate=schedule, weight_decay=decay)
-        return with_loss_scaling(optimizer, config.model.precision)
+        return with_loss_scaling(optimizer, precision)
 
     return make
