@@ -4,11 +4,15 @@ computes the one-device update, and checkpoints name tensors, not devices.
 In stream mode the checkpoint carries the recurrent state in global form ([B, H] per
 layer), so it moves too."""
 
+import json
+import os
+import shutil
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import PINNED, assert_resumed_from, resumed_steps
+from conftest import PINNED, REPO, assert_resumed_from, resumed_steps
 from tfpar.tools.cli import train_main
 from tfpar.tools.faults import checkpoint_tensors
 
@@ -168,3 +172,33 @@ def test_every_weight_is_stored_once(tmp_path):
     graph = len(tf.train.load_checkpoint(path).get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
     data = sum(f.stat().st_size for f in tmp_path.glob("ckpt.data-*"))
     assert stored <= data - graph < stored + 256  # + the selection's scalars
+
+
+# A run's model dir as an earlier tfpar wrote it (at commit 83a689a, 2026-12-05), its
+# training events left out: tfpar-train with these flags, then --max-steps 3 --model-dir
+# DIR --final-weights last. 3 steps of a 1x8 tied LSTM on a 16-word synthetic corpus in
+# stream mode, with Adam: model weights, Adam's slots, the counters, the model selection
+# and the carried stream state, 44 KB. Its valid perplexity, from that run's metrics.
+EARLIER_RUN = os.path.join(REPO, "tests", "data", "model_dir_2026_12_05")
+EARLIER_FLAGS = ["--data", "synthetic", "--synthetic-sentences", "60,10,10", "--vocab-size",
+                 "16", "--mode", "stream", "--bptt", "5", "--layers", "1", "--embed-dim", "8",
+                 "--hidden-dim", "8", "--optimizer", "adam", "--lr", "3e-3", "--batch-size",
+                 "4", "--no-export", "--no-progress", "--seed", "3", "--final-weights", "last"]
+EARLIER_VALID_PPL = 15.740412901903046
+
+
+def test_a_model_dir_written_by_an_earlier_version_scores_and_resumes(tmp_path, capsys):
+    """Today's code reads an earlier version's checkpoint by its tensors' names: the
+    weights score the valid split as they did when it was written, and training resumes
+    from its step 3 (every weight, slot, counter and carried state found, or the restore
+    refuses it) and goes on to step 5."""
+    from tfpar.tools import evaluate
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(EARLIER_RUN, run_dir)
+    assert evaluate.main(["--model-dir", str(run_dir), "--split", "valid", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["perplexity"] == pytest.approx(EARLIER_VALID_PPL, rel=1e-5)
+    assert train_main(EARLIER_FLAGS + ["--max-steps", "5", "--model-dir", str(run_dir)]) == 0
+    assert_resumed_from(capsys.readouterr().err, 3)
+    assert tf.train.latest_checkpoint(str(run_dir / "checkpoints")).endswith("ckpt-5")
