@@ -361,3 +361,17 @@ def test_a_workdir_that_is_a_file_or_not_empty_is_refused(kind, tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: --workdir '{path}' is {'a file' if kind == 'file' else 'not empty'}"
                    "; give a new or empty folder"]
+
+
+def test_the_selections_perplexity_differs_relatively():
+    """A float32 valid perplexity near 700 one ulp apart (6.1e-5) with weights 1e-7 apart:
+    max |Δ| is the weights' 1e-7, not the perplexity's ulp, which is above the matrix's
+    1e-5 tolerance; the tensors still are not exact (a resume must match bit for bit)."""
+    ppl = np.float32(700.0)
+    key = "selection/best_valid_ppl/.ATTRIBUTES/VARIABLE_VALUE"
+    want = {key: np.array(ppl), "layers/w": np.zeros(3, np.float32)}
+    got = {key: np.array(np.nextafter(ppl, np.float32(1000))),
+           "layers/w": np.full(3, 1e-7, np.float32)}
+    c = faults.compare_tensors(got, want)
+    assert not c.exact
+    assert c.worst == pytest.approx(1e-7, rel=1e-3)
