@@ -73,7 +73,7 @@ def check_split_fractions(fractions: tuple[float, ...]) -> None:
     if len(fractions) != 3:
         raise ConfigError(
             f"split-fractions {shown!r} must be three numbers train,valid,test, "
-            f"e.g. {','.join(map(str, SPLIT_FRACTIONS))}")
+            f"e.g. {_joined(SPLIT_FRACTIONS)}")
     for split, f in zip(("train", "valid", "test"), fractions):
         if not f > 0:
             raise ConfigError(
@@ -82,7 +82,7 @@ def check_split_fractions(fractions: tuple[float, ...]) -> None:
     if abs(sum(fractions) - 1.0) > 1e-6:
         raise ConfigError(
             f"split-fractions {shown!r} sum to {sum(fractions):.6g}, not 1; give three "
-            f"fractions that sum to 1, e.g. {','.join(map(str, SPLIT_FRACTIONS))}")
+            f"fractions that sum to 1, e.g. {_joined(SPLIT_FRACTIONS)}")
 
 
 def softmax_block_sizes(text: str) -> tuple[int, int]:

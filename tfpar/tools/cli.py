@@ -114,9 +114,10 @@ def config_flags(section: str) -> list[Flag]:
 
 
 def _add_flags(p: argparse.ArgumentParser, sections: Sequence[str]) -> None:
+    every = [f for s in sections for f in config_flags(s)]
     groups = {}
     for title in GROUPS.values():
-        flags = [f for s in sections for f in config_flags(s) if f.group == title]
+        flags = [f for f in every if f.group == title]
         if flags:
             groups[title] = p.add_argument_group(title)
         for f in flags:

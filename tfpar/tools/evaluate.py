@@ -21,7 +21,7 @@ import math
 import sys
 from typing import Sequence
 
-from tfpar.config import Config, DataConfig, parse_fractions, parse_ints
+from tfpar.config import Config, DataConfig, parse_fractions
 from tfpar.errors import ConfigError
 from tfpar.tools import cli
 from tfpar.tools.model_dir import (add_weights_flag, check_weights, checkpoint_path,
@@ -105,12 +105,10 @@ def evaluate_saved_model(args) -> dict:
         raise ConfigError("--strategy, --devices and --cpu-devices apply to --model-dir only; "
                           "a SavedModel is scored on one device")
     check_weights(args)
-    sizes = parse_ints("--synthetic-sentences", args.synthetic_sentences, 3)
     fractions = {} if args.split_fractions is None else {
         "split_fractions": parse_fractions(args.split_fractions)}
     data = DataConfig(source=args.data or "synthetic", input_dir=args.input_dir or "input",
-                      synthetic_train=sizes[0], synthetic_valid=sizes[1],
-                      synthetic_test=sizes[2], **fractions)
+                      **cli.synthetic_sentences(args.synthetic_sentences), **fractions)
     from tfpar.serving import export
     from tfpar.data.sources import load_corpus
 
