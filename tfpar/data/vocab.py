@@ -261,7 +261,7 @@ def train_counts(lines: Iterable[str] | TextSplit, tokenizer: str, *,
     hist = tf.Variable(tf.zeros([HISTOGRAM_BINS], tf.int64), trainable=False)
     lines_seen = tf.Variable(tf.constant(0, tf.int64), trainable=False)
 
-    @tf.function(input_signature=[tf.TensorSpec([None], tf.string)])
+    @tf.function(autograph=False, input_signature=[tf.TensorSpec([None], tf.string)])
     def add(batch):
         words = split_tokens(batch, tokenizer)
         unique, _, counts = tf.unique_with_counts(words.flat_values, out_idx=tf.int64)

@@ -420,7 +420,7 @@ def make_train_step(plugin, model, optimizer, *, clip_norm: float, loss=None):
     one = one_update(plugin, model, optimizer, clip_norm=clip_norm,
                      loss=loss or output_loss(model.config))
 
-    @tf.function(reduce_retracing=True)
+    @tf.function(autograph=False, reduce_retracing=True)
     def train_step(batch, state=None):
         agg = one(batch, state)
         return dict(nll_sum=agg.nll_sum, count=agg.count, grad_norm=agg.norm,
@@ -435,7 +435,7 @@ def make_eval_step(plugin, model, loss=None):
     plugin.bind(model)
     loss = loss or output_loss(model.config)
 
-    @tf.function(reduce_retracing=True)
+    @tf.function(autograph=False, reduce_retracing=True)
     def eval_step(batch, state=None):
         nll_sum, count, final = evaluate(plugin, model, loss, batch, state)
         return dict(nll_sum=nll_sum, count=count, state=final)

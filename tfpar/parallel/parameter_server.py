@@ -304,7 +304,7 @@ class Coordinator:
             index = tf.distribute.coordinator.experimental_get_current_worker_index()
             return dataset_fn(workers, index).repeat()
 
-        @tf.function
+        @tf.function(autograph=False)
         def per_worker():
             return self.strategy.distribute_datasets_from_function(worker_dataset)
 
@@ -332,7 +332,7 @@ class Coordinator:
                 optimizer, [step.scale(g, factor) for g in grads], model.trainable_variables))
             return dict(nll_sum=nll_sum, count=count, grad_norm=norm)
 
-        @tf.function
+        @tf.function(autograph=False)
         def worker_step(iterator):
             return strategy.run(replica_step, args=(next(iterator),))
 
@@ -349,7 +349,7 @@ class Coordinator:
         copied = [-1]  # the version of the parameters in ``copy``
         loss = output_loss(model.config)
 
-        @tf.function(reduce_retracing=True)
+        @tf.function(autograph=False, reduce_retracing=True)
         def eval_step(batch):
             nll_sum, count, _ = step.forward(copy, batch, None, loss=loss)
             return dict(nll_sum=nll_sum, count=count)

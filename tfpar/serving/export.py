@@ -88,7 +88,8 @@ class LanguageModelModule(tf.Module):
             default_value="<unk>",
         )
 
-    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32, name="token_ids")])
+    @tf.function(autograph=False,
+                 input_signature=[tf.TensorSpec([None, None], tf.int32, name="token_ids")])
     def serving_default(self, token_ids):
         """[B, T] token ids → {"log_probs": [B, T, V]}."""
         checks = [
@@ -102,7 +103,7 @@ class LanguageModelModule(tf.Module):
             logits, _ = self.model(token_ids)
         return {"log_probs": tf.nn.log_softmax(logits)}
 
-    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
+    @tf.function(autograph=False, input_signature=[tf.TensorSpec([None], tf.string, name="text")])
     def score(self, text):
         """[B] texts → {"nll": [B] float32, "tokens": [B] int32, "perplexity": [B] float32}."""
         ids = sample.word_ids(text, self.table, tokenizer=self._tokenizer)
@@ -119,7 +120,7 @@ class LanguageModelModule(tf.Module):
         return {"nll": nll, "tokens": tf.cast(tokens, tf.int32),
                 "perplexity": tf.exp(nll / tokens)}
 
-    @tf.function(input_signature=[
+    @tf.function(autograph=False, input_signature=[
         tf.TensorSpec([None], tf.string, name="prompt"),
         tf.TensorSpec([], tf.int32, name="max_tokens"),
         tf.TensorSpec([], tf.float32, name="temperature"),

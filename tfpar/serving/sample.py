@@ -197,7 +197,7 @@ class Sampler:
         self._to_id, self._to_word = vocab_tables(vocab)
         tokenizer = vocab.tokenizer
 
-        @tf.function(input_signature=[
+        @tf.function(autograph=False, input_signature=[
             tf.TensorSpec([None], tf.string), tf.TensorSpec([], tf.int32),
             tf.TensorSpec([], tf.float32), tf.TensorSpec([], tf.int32),
             tf.TensorSpec([], tf.int32),

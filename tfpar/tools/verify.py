@@ -294,7 +294,7 @@ def initial_gradient_norms(model, data: InputData, batch_size: int, count: int) 
     at = tf.Variable(0, dtype=tf.int64, trainable=False)
     model.noise.step = lambda: at
 
-    @tf.function(reduce_retracing=True)  # Traced, like every train step.
+    @tf.function(autograph=False, reduce_retracing=True)  # Traced, like every train step.
     def norm(batch):
         grads, *_ = step.replica_gradients(model, batch, token_count(batch["targets"]), None,
                                            loss=output_loss(model.config), training=False)

@@ -26,7 +26,7 @@ class EpochInspector:
         self._batch = None
         copy, loss = self.copy, output_loss(config.model)
 
-        @tf.function(reduce_retracing=True)
+        @tf.function(autograph=False, reduce_retracing=True)
         def norms(batch):
             count = tf.reduce_sum(tf.cast(batch["targets"] != 0, tf.float32))
             grads, _, _, _ = step.replica_gradients(copy, batch, count, loss=loss,

@@ -62,7 +62,7 @@ def make_train_steps(plugin, model, optimizer, *, clip_norm: float, loss=None):
     one = step.one_update(plugin, model, optimizer, clip_norm=clip_norm,
                           loss=loss or output_loss(model.config))
 
-    @tf.function
+    @tf.function(autograph=False)
     def train_steps(iterator, state, n):
         stream = state is not None
         carried = state if stream else tf.zeros([])

@@ -81,8 +81,8 @@ def part_functions(spec: BenchSpec, vocab_size: int, precision: str, *, mode: st
     def softmax_of(m):
         variables = m.softmax.trainable_variables
 
-        @tf.function(input_signature=[tf.TensorSpec(rows + [spec.hidden_dim]),
-                                      tf.TensorSpec(rows, tf.int32)])
+        @tf.function(autograph=False, input_signature=[tf.TensorSpec(rows + [spec.hidden_dim]),
+                                                       tf.TensorSpec(rows, tf.int32)])
         def softmax(h, y):
             with tf.GradientTape() as tape:
                 tape.watch(h)
@@ -93,7 +93,7 @@ def part_functions(spec: BenchSpec, vocab_size: int, precision: str, *, mode: st
 
         return lambda: softmax(hidden, targets)
 
-    @tf.function(input_signature=[tf.TensorSpec(rows + [spec.embed_dim])])
+    @tf.function(autograph=False, input_signature=[tf.TensorSpec(rows + [spec.embed_dim])])
     def rnn(x):
         with tf.GradientTape() as tape:
             tape.watch(x)

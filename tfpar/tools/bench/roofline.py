@@ -125,7 +125,7 @@ def measure_rate(mm: Matmul, dtype: str = "float32", *, min_seconds: float = 0.2
                 return y[:, :mm.k]
             return tf.tile(y, [1, -(-mm.k // mm.n)])[:, :mm.k]
 
-        @tf.function(jit_compile=True)
+        @tf.function(autograph=False, jit_compile=True)
         def run():
             def body(t, x):
                 return t + 1, tf.tanh(back_to_input(tf.matmul(x, w)))
@@ -135,7 +135,7 @@ def measure_rate(mm: Matmul, dtype: str = "float32", *, min_seconds: float = 0.2
         return mm.count * 2.0 * mm.m * mm.k * mm.n / _timed(run, min_seconds)
     x = tf.cast(gen.normal([mm.m, mm.k]), dt)
 
-    @tf.function
+    @tf.function(autograph=False)
     def product(x, w):
         return tf.matmul(x, w)
 

@@ -91,7 +91,7 @@ def serve_worker(request: str) -> NoReturn:
     shapes = [v.shape for v in step.model.trainable_variables]
     grad_bytes = float(sum(4 * int(np.prod(s)) for s in shapes))
 
-    @tf.function
+    @tf.function(autograph=False)
     def allreduce(small: bool):
         def replica():
             ctx = tf.distribute.get_replica_context()
