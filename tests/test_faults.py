@@ -153,6 +153,39 @@ def test_the_phase_a_kill_hit_is_read_from_the_output_and_the_files(case, want, 
     assert str(faults.infer_phase(proc, str(export_dir), schedule, moment, alive)) == want
 
 
+def test_a_reference_that_ends_at_an_epoch_end_before_max_steps(tmp_path, monkeypatch):
+    """The kill tool's runs: 2 epochs of 38 steps under --max-steps 100, a checkpoint
+    every 5 steps. The schedule ends at step 76: a kill after ckpt-76 hit the final
+    evaluation (it was read as "training, steps 77-80"), and a redrawn kill follows only
+    a checkpoint that 5 steps of training follow (not 35 or 75, which an epoch end
+    follows, nor 80-95, which never come: the kill then found the run finished)."""
+    class Reference:
+        def __init__(self, args, model_dir):
+            self.seen = {s: s * 0.1 for s in [*range(5, 76, 5), 38, 76]}
+
+        def wait(self, timeout):
+            return 0
+
+        def elapsed(self):
+            return 9.0
+
+    monkeypatch.setattr(faults, "TrainProcess", Reference)
+    monkeypatch.setattr(faults, "epoch_end_steps", lambda model_dir: [38, 76])
+    monkeypatch.setattr(faults, "checkpoint_tensors", lambda model_dir: tensors())
+    monkeypatch.setattr(faults, "read_metrics",
+                        lambda path: {"steps": 76, "valid_ppl": 9.0, "test_ppl": 8.0})
+    ref = faults.run_reference(faults.KillSpec(), "sentence", str(tmp_path))
+    assert ref.schedule.max_steps == 76
+    assert faults.redraw_anchors(ref, 5, 0) == [5, 10, 15, 20, 25, 30, 40, 45, 50, 55, 60,
+                                                65, 70]
+    assert faults.redraw_anchors(ref, 5, 60) == [65, 70]
+    model_dir = tmp_path / "run"
+    checkpoint_files(model_dir, [70, 75, 76], 76)
+    proc = fake_process(model_dir, CORPUS, {70: 7.0, 75: 7.5, 76: 7.6})
+    assert str(faults.infer_phase(proc, str(tmp_path / "export"), ref.schedule, 8.0, True)) \
+        == "final evaluation (valid + test)"
+
+
 def test_killed_runs_resume_exactly(tmp_path, capsys):
     """One round in stream mode (the carried state must resume too), killed twice: the
     run at a moment drawn from [0, T], then its relaunch; run again, it ends

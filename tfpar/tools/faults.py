@@ -377,7 +377,8 @@ PHASES = ("start-up", "tracing + first steps", "training", "checkpoint write",
 
 @dataclasses.dataclass
 class Schedule:
-    """When a run checkpoints: every ``every`` steps, at each epoch end, at ``max_steps``."""
+    """When a run checkpoints: every ``every`` steps, at each epoch end, at its last step
+    ``max_steps`` (its ``--max-steps``, or its last epoch's end when that comes first)."""
 
     max_steps: int
     every: int
@@ -686,11 +687,24 @@ def run_reference(spec: KillSpec, mode: str, root: str, timeout: float = 900) ->
     if code != 0:
         raise RuntimeError(f"the {mode} reference run failed (status {code}):\n{proc.output}")
     model_dir = os.path.join(root, "reference")
-    schedule = Schedule(spec.max_steps, spec.checkpoint_every, tuple(epoch_end_steps(model_dir)))
+    metrics = read_metrics(os.path.join(root, "reference.json"))
+    # The run's last step: --max-steps, or the last epoch's end when that comes first.
+    schedule = Schedule(int(metrics["steps"]), spec.checkpoint_every,
+                        tuple(epoch_end_steps(model_dir)))
     times = [proc.seen[s] for s in sorted(proc.seen)]
     interval = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
-    return Reference(seconds, checkpoint_tensors(model_dir),
-                     read_metrics(os.path.join(root, "reference.json")), schedule, interval)
+    return Reference(seconds, checkpoint_tensors(model_dir), metrics, schedule, interval)
+
+
+def redraw_anchors(ref: Reference, every: int, after: int) -> list[int]:
+    """The checkpoints a redrawn kill may follow: those of the reference after step
+    ``after`` that a whole interval of training follows (no epoch end inside it, not past
+    the reference's last step), so a kill up to one interval later lands in training or
+    in the next checkpoint's write. (Every multiple of ``every`` below ``--max-steps``
+    offered checkpoints past a run's last epoch end, which never come, and ones an
+    epoch-end evaluation follows.)"""
+    return [c for c in range(every, ref.schedule.max_steps, every)
+            if c > after and ref.schedule.next_save(c) == c + every]
 
 
 def kill_round(spec: KillSpec, mode: str, index: int, ref: Reference, root: str,
@@ -712,8 +726,7 @@ def kill_round(spec: KillSpec, mode: str, index: int, ref: Reference, root: str,
     for _ in range(spec.kills_per_run):
         left = latest_step(model_dir)  # what this run must restore
         proc = TrainProcess(args, model_dir)
-        ahead = [c for c in range(spec.checkpoint_every, spec.max_steps, spec.checkpoint_every)
-                 if c > (left or 0)]
+        ahead = redraw_anchors(ref, spec.checkpoint_every, left or 0)
         if draw and ahead:
             alive, moment = proc.kill_after_checkpoint(
                 rng.choice(ahead), rng.uniform(0.0, ref.checkpoint_interval), timeout)
