@@ -61,6 +61,7 @@ AUTOTUNE = tf.data.AUTOTUNE
 
 
 # ----------------------------------------------------------------------------- tokenising
+@tf.autograph.experimental.do_not_convert
 def tokenize(lines: tf.Tensor, table: tf.lookup.StaticHashTable, *,
              tokenizer: str) -> tf.RaggedTensor:
     """[N] strings → [N, (n_i)] int32 token ids (``tfpar.data.tokenize.split_tokens``
@@ -69,12 +70,14 @@ def tokenize(lines: tf.Tensor, table: tf.lookup.StaticHashTable, *,
     return tf.cast(tf.ragged.map_flat_values(table.lookup, words), tf.int32)
 
 
+@tf.autograph.experimental.do_not_convert
 def with_eos(ids: tf.RaggedTensor, *, before: bool = False) -> tf.RaggedTensor:
     """[N, (n_i)] ids → each row followed (and, ``before``, also preceded) by ``<eos>``."""
     eos = tf.RaggedTensor.from_tensor(tf.fill([ids.nrows(), 1], EOS_ID))
     return tf.concat([eos, ids, eos] if before else [ids, eos], axis=1)
 
 
+@tf.autograph.experimental.do_not_convert
 def stream_ids(lines: tf.Tensor, table: tf.lookup.StaticHashTable, *,
                tokenizer: str) -> tf.Tensor:
     """[N] lines → [M] int32: a stream-mode token stream, each line's ids then ``<eos>``."""
@@ -130,12 +133,14 @@ def fill_partial_batches(batches: tf.data.Dataset, batch_size: int) -> tf.data.D
     tagged = batches.map(lambda b: (b, False)).concatenate(
         tf.data.Dataset.from_tensors((marker, True)))
 
+    @tf.autograph.experimental.do_not_convert
     def join(a, b):
         length = tf.maximum(tf.shape(a)[1], tf.shape(b)[1])
         pad = lambda x: tf.pad(x, [[0, 0], [0, length - tf.shape(x)[1]]],  # noqa: E731
                                constant_values=PAD_ID)
         return tf.concat([pad(a), pad(b)], axis=0)
 
+    @tf.autograph.experimental.do_not_convert
     def step(held, element):
         batch, end = element
         rows = tf.shape(batch["targets"])[0]
@@ -158,6 +163,7 @@ def fill_partial_batches(batches: tf.data.Dataset, batch_size: int) -> tf.data.D
     return tagged.scan(start, step).filter(lambda b, ready: ready).map(lambda b, ready: b)
 
 
+@tf.autograph.experimental.do_not_convert
 def _trim_columns(x: tf.Tensor) -> tf.Tensor:
     """[b, T] ids without the trailing columns that are padding in every row."""
     length = tf.reduce_max(tf.reduce_sum(tf.cast(x != PAD_ID, tf.int32), axis=1))
@@ -262,12 +268,14 @@ class InputData:
         split_long = self.config.long_sentences == "split"
         tokenizer = self.vocab.tokenizer
 
+        @tf.autograph.experimental.do_not_convert
         def encode(line_batch):
             full = with_eos(tokenize(line_batch, table, tokenizer=tokenizer), before=True)
             return {"inputs": full[:, :-1], "targets": full[:, 1:]}
 
         ds = lines.map(encode, num_parallel_calls=AUTOTUNE).unbatch()
 
+        @tf.autograph.experimental.do_not_convert
         def pieces(ex):
             if split_long:
                 framed = {k: tf.signal.frame(v, max_len, max_len, pad_end=True, pad_value=PAD_ID)
@@ -354,6 +362,7 @@ class InputData:
             return []
         tokenizer = self.vocab.tokenizer
 
+        @tf.autograph.experimental.do_not_convert
         def count(path, start, end, size):
             return segment_lines(path, start, end, size).reduce(
                 tf.constant(0, tf.int64),
@@ -382,6 +391,7 @@ class InputData:
             column_windows, cycle_length=batch_size, block_length=1)
         ds = ds.batch(batch_size, drop_remainder=True)
 
+        @tf.autograph.experimental.do_not_convert
         def window(w):  # w: [B, bptt + 1]; the last window may be shorter (padding)
             length = tf.reduce_max(tf.reduce_sum(tf.cast(w != PAD_ID, tf.int32), axis=1))
             return {"inputs": w[:, :length - 1], "targets": w[:, 1:length]}
@@ -397,6 +407,7 @@ class InputData:
         table = self.vocab.lookup_table()
         tokenizer = self.vocab.tokenizer
 
+        @tf.autograph.experimental.do_not_convert
         def trim(left, tokens):  # left: (tokens to skip, tokens to take) before this chunk
             to_skip, to_take = left
             dropped = tf.minimum(to_skip, tf.size(tokens, tf.int64))
@@ -410,6 +421,7 @@ class InputData:
         chunks = chunks.concatenate(tf.data.Dataset.from_tensors((tf.zeros([0], tf.int32), True)))
         columns = tf.range(bptt + 1)
 
+        @tf.autograph.experimental.do_not_convert
         def step(carry, chunk):
             tokens, end = chunk
             buf = tf.concat([carry, tokens], 0)
@@ -495,6 +507,7 @@ def _seed(seed: int, epoch: int) -> int:
 SAMPLE_LINES = 100_000
 
 
+@tf.autograph.experimental.do_not_convert
 def _trim(ex: dict) -> dict:
     """Drops the padding that ``tf.signal.frame`` added to the last piece."""
     length = tf.reduce_sum(tf.cast(tf.not_equal(ex["targets"], PAD_ID), tf.int32))

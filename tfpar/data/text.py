@@ -141,6 +141,7 @@ def cut(split: TextSplit, parts: int) -> list[TextSplit]:
 
 
 # ----------------------------------------------------------------------------- reading
+@tf.autograph.experimental.do_not_convert
 def _segment_records(path, start, end, size) -> tf.data.Dataset:
     """Bytes ``[start, end)`` of ``path`` (``size`` bytes) as string records of at most
     RECORD_BYTES, then one "\\n". Tensors in, so one trace serves every segment."""
@@ -154,10 +155,12 @@ def _segment_records(path, start, end, size) -> tf.data.Dataset:
     return whole.concatenate(tail).concatenate(tf.data.Dataset.from_tensors(tf.constant("\n")))
 
 
+@tf.autograph.experimental.do_not_convert
 def _lines_of_records(records: tf.data.Dataset) -> tf.data.Dataset:
     """Records → [k] string batches of the lines that end in each record: a line cut by
     a record's end is carried into the next record."""
 
+    @tf.autograph.experimental.do_not_convert
     def split(left, record):
         pieces = tf.strings.split(left + record, "\n")
         return pieces[-1], pieces[:-1]
@@ -165,6 +168,7 @@ def _lines_of_records(records: tf.data.Dataset) -> tf.data.Dataset:
     return records.scan(tf.constant("", tf.string), split)
 
 
+@tf.autograph.experimental.do_not_convert
 def non_blank(lines: tf.Tensor) -> tf.Tensor:
     """[k] lines → the stripped non-blank ones, in order."""
     stripped = tf.strings.strip(lines)
@@ -180,6 +184,7 @@ def segment_table(segments: Sequence[Segment]) -> tf.data.Dataset:
         tf.constant([s.size for s in segments], tf.int64)))
 
 
+@tf.autograph.experimental.do_not_convert
 def segment_lines(path, start, end, size) -> tf.data.Dataset:
     """[k] string batches of one segment's stripped, non-blank lines."""
     return _lines_of_records(_segment_records(path, start, end, size)).map(non_blank)

@@ -47,6 +47,7 @@ def separator(tokenizer: str) -> str:
     return "" if tokenizer == "char" else " "
 
 
+@tf.autograph.experimental.do_not_convert
 def split_tokens(lines: tf.Tensor, tokenizer: str) -> tf.RaggedTensor:
     """[N] strings → [N, (n_i)] token strings, as the module docstring defines them.
 

@@ -172,10 +172,12 @@ def per_replica(batches: tf.data.Dataset, input_context=None, *,
     first = input_context.input_pipeline_id * local
 
     if rows is None:
+        @tf.autograph.experimental.do_not_convert
         def slices(batch):
             return tf.data.Dataset.range(local).map(
                 lambda i: shard_rows(batch, total, tf.cast(first + i, tf.int32)))
     else:
+        @tf.autograph.experimental.do_not_convert
         def slices(batch):
             batch = with_rows(batch, rows[0])
             return tf.data.Dataset.range(local).map(
