@@ -362,6 +362,12 @@ def test_a_contender_that_fails_to_build_fails_the_run(monkeypatch, capsys, tmp_
 
     monkeypatch.setattr(contenders, "build_tfpar", build)
     monkeypatch.setattr(measure, "ContenderServer", NoChild)
+    # Only what this test is about runs: no variants of the default step, no breakdown
+    # (tiny_run measures those).
+    for module in (measure, contenders):
+        monkeypatch.setattr(module, "variant_configs", lambda spec: {})
+    monkeypatch.setattr(measure, "step_breakdown", lambda *args: {})
+    monkeypatch.setattr(measure, "breakdown_sentence", lambda *args: {})
     path = tmp_path / "b.json"
     assert main(["--quick", "--tiny", "--json", str(path)]) == 1
     out, err = capsys.readouterr()
