@@ -158,10 +158,12 @@ def test_a_reference_that_ends_at_an_epoch_end_before_max_steps(tmp_path, monkey
     every 5 steps. The schedule ends at step 76: a kill after ckpt-76 hit the final
     evaluation (it was read as "training, steps 77-80"), and a redrawn kill follows only
     a checkpoint that 5 steps of training follow (not 35 or 75, which an epoch end
-    follows, nor 80-95, which never come: the kill then found the run finished)."""
+    follows, nor 80-95, which never come: the kill then found the run finished), by up
+    to the time 5 steps of training take (0.5 s here; the mean time between
+    checkpoints, 0.63 s with the 3 s epoch-end evaluation, reached into it)."""
     class Reference:
-        def __init__(self, args, model_dir):
-            self.seen = {s: s * 0.1 for s in [*range(5, 76, 5), 38, 76]}
+        def __init__(self, args, model_dir):  # 0.1 s a step, a 3 s evaluation at 38
+            self.seen = {s: s * 0.1 + 3.0 * (s > 38) for s in [*range(5, 76, 5), 38, 76]}
 
         def wait(self, timeout):
             return 0
@@ -176,6 +178,7 @@ def test_a_reference_that_ends_at_an_epoch_end_before_max_steps(tmp_path, monkey
                         lambda path: {"steps": 76, "valid_ppl": 9.0, "test_ppl": 8.0})
     ref = faults.run_reference(faults.KillSpec(), "sentence", str(tmp_path))
     assert ref.schedule.max_steps == 76
+    assert ref.checkpoint_interval == pytest.approx(0.5)
     assert faults.redraw_anchors(ref, 5, 0) == [5, 10, 15, 20, 25, 30, 40, 45, 50, 55, 60,
                                                 65, 70]
     assert faults.redraw_anchors(ref, 5, 60) == [65, 70]

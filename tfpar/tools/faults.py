@@ -17,7 +17,8 @@ what it left in the model dir (see :func:`infer_phase`). A round whose kills all
 training and checkpoint writes (the phases a resume is most often wrong in) is drawn
 again, up to ``--redraws`` times, its kills then coming after one of the run's own
 checkpoints (drawn at random, before the last step) by a delay uniform in the
-reference's time between two checkpoints; a round that still misses fails the test.
+reference's time between two checkpoints in training; a round that still misses
+fails the test.
 
 ``scripts/faults.py matrix`` checks that a checkpoint moves between strategies and device
 counts: for every (source, target) pair it kills a run under the source once the
@@ -46,6 +47,7 @@ import random
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -616,8 +618,7 @@ class Reference:
     tensors: dict
     metrics: dict
     schedule: Schedule
-    # Mean seconds between two consecutive checkpoints (0: fewer than two): how long
-    # after a checkpoint a redrawn kill may come.
+    # How long after a checkpoint a redrawn kill may come: see training_interval.
     checkpoint_interval: float = 0.0
 
 
@@ -691,9 +692,20 @@ def run_reference(spec: KillSpec, mode: str, root: str, timeout: float = 900) ->
     # The run's last step: --max-steps, or the last epoch's end when that comes first.
     schedule = Schedule(int(metrics["steps"]), spec.checkpoint_every,
                         tuple(epoch_end_steps(model_dir)))
-    times = [proc.seen[s] for s in sorted(proc.seen)]
-    interval = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
-    return Reference(seconds, checkpoint_tensors(model_dir), metrics, schedule, interval)
+    return Reference(seconds, checkpoint_tensors(model_dir), metrics, schedule,
+                     training_interval(proc.seen, schedule))
+
+
+def training_interval(seen: dict[int, float], schedule: Schedule) -> float:
+    """The median seconds between two checkpoints ``schedule.every`` steps apart with no
+    epoch end between them: the time a redrawn kill may come after a checkpoint and
+    still land in training or the next checkpoint's write. (The mean over all
+    checkpoints counts the epoch-end evaluations in, and a kill that late landed in the
+    next one.) 0.0 when there are no two such checkpoints."""
+    steps = sorted(seen)
+    gaps = [seen[b] - seen[a] for a, b in zip(steps, steps[1:])
+            if b - a == schedule.every and not any(a < e <= b for e in schedule.epoch_ends)]
+    return statistics.median(gaps) if gaps else 0.0
 
 
 def redraw_anchors(ref: Reference, every: int, after: int) -> list[int]:
@@ -713,10 +725,11 @@ def kill_round(spec: KillSpec, mode: str, index: int, ref: Reference, root: str,
     each time on the resumed run), run to the end, compare with the reference.
 
     ``draw`` > 0: a redraw, each kill coming after one of the process's own checkpoints
-    (drawn from those still ahead of it, before the last step), later by a delay uniform
-    in the reference's time between two checkpoints (so a slow start-up on a loaded
-    host does not push it back before training); while redraws are left (``draw < spec.redraws``) a round whose kills all missed the
-    AIMED phases is abandoned (None) before its resume."""
+    (:func:`redraw_anchors` still ahead of it), later by a delay uniform in the
+    reference's time between two checkpoints in training (so a slow start-up on a loaded
+    host does not push it back before training); while redraws are left
+    (``draw < spec.redraws``) a round whose kills all missed the AIMED phases is
+    abandoned (None) before its resume."""
     started = time.monotonic()
     name = f"{mode}-{index}" + (f"-redraw{draw}" if draw else "")
     args = kill_run_args(spec, mode, root, name)
@@ -1038,7 +1051,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="{kills,matrix}")
     sub.required = True
     k = sub.add_parser(
-        "kills", allow_abbrev=False, help="SIGKILL runs at random moments, resume, compare with a reference",
+        "kills", allow_abbrev=False,
+        help="SIGKILL runs at random moments, resume, compare with a reference",
         description="Train once uninterrupted (the reference, wall time T); then per round "
                     "start the same command, SIGKILL it at a moment uniform in [0, T], run "
                     "it again to the end and compare every checkpointed tensor (np.array_equal) "
@@ -1071,7 +1085,8 @@ def parser() -> argparse.ArgumentParser:
                    help="train.py --checkpoint-every (default: %(default)s)")
     k.add_argument("--redraws", type=int, default=3,
                    help="draw a round again, its kills now after a random one of the "
-                        "run's checkpoints (by up to the reference's time between two), "
+                        "run's checkpoints (by up to the reference's time between two in "
+                        "training), "
                         "while none of its kills hit training or "
                         "a checkpoint write, up to this many times; a round that still "
                         "misses fails (0: keep every draw, none required; "
