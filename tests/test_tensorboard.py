@@ -82,7 +82,7 @@ def q(**params) -> str:
 def test_tensorboard_serves_scalars_histograms_text_graph_and_a_profile(tiny_args, tmp_path):
     # One full epoch (no --max-steps), so the per-epoch summaries are written too.
     assert train_main(tiny_args + ["--max-steps", "0", "--profile-steps", "2,3",
-                                   "--log-every", "5"]) == 0
+                                   "--log-every", "5", "--epoch-inspection"]) == 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     run_dir = str(tmp_path / "run")
 
@@ -126,11 +126,8 @@ def test_tensorboard_serves_scalars_histograms_text_graph_and_a_profile(tiny_arg
         graphs = get("/data/plugin/graphs/info")["train"]["tags"]
         assert graphs["train_step"]["op_graph"] is True
         graph = get("/data/plugin/graphs/graph?" + q(run="train", tag="train_step"), raw=True)
-        # The loss is in it: TF's fused op (its log-softmax form under op determinism,
-        # which an earlier run in this process may have enabled), or the XLA-compiled
-        # function that wraps it when the step was traced with a fixed shape (tfpar/xla.py).
-        assert ('op: "SparseSoftmaxCrossEntropyWithLogits"' in graph
-                or 'op: "LogSoftmax"' in graph or "_cross_entropy" in graph)
+        # The loss is in it: the fused output layer (the default) under its name scope.
+        assert "fused_softmax_nll" in graph
 
     traces = glob.glob(os.path.join(run_dir, "train", "plugins", "profile", "*", "*.xplane.pb"))
     assert len(traces) == 1

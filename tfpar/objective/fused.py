@@ -76,6 +76,15 @@ def fused_softmax_nll(h: tf.Tensor, kernel, bias, targets: tf.Tensor,
       ``(nll_sum, count)``, float32 scalars; ``nll_sum`` is differentiable in ``h``,
       ``kernel`` and ``bias``.
     """
+    with tf.name_scope("fused_softmax_nll"):  # one box in TensorBoard's graph
+        return _fused_softmax_nll(h, kernel, bias, targets, token_weights,
+                                  vocab_major=vocab_major, matmul_dtype=matmul_dtype,
+                                  rows=rows, columns=columns,
+                                  gradient_in_forward=gradient_in_forward)
+
+
+def _fused_softmax_nll(h, kernel, bias, targets, token_weights, *, vocab_major, matmul_dtype,
+                       rows, columns, gradient_in_forward):
     h, targets, token_weights = _flat(h, targets, token_weights)
     count = tf.reduce_sum(token_weights)
     if not gradient_in_forward:
