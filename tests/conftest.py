@@ -98,6 +98,11 @@ def module_tiny_corpus(tmp_path_factory):
     return write_tiny_corpus(tmp_path_factory.mktemp("tiny-corpus"))
 
 
+# The per-epoch gradient norms and text samples trace a copy of the model: 5-7 s of a
+# 2-epoch run on the tiny corpus. Runs whose test is not about them go without
+# (tests/test_tensorboard.py and tests/test_non_finite.py turn them on).
+NO_INSPECTION = ["--no-epoch-inspection"]
+
 # The model and optimizer the suite was written for: one layer, no dropout, untied, Keras'
 # initialisers, Adam at 3e-3 clipped at 5. The defaults a user gets (the dataclasses' and
 # the flags', one source: tfpar.config) are tuned for real text and larger; tests pin
@@ -106,7 +111,7 @@ SMALL_MODEL = dict(layers=1, embed_dim=128, hidden_dim=256, dropout=0.0,
                    tie_embeddings=False, init_scale=0.0)
 SMALL_TRAIN = dict(optimizer="adam", lr=3e-3, clip_norm=5.0, batch_size=64)
 PINNED = ["--layers", "1", "--optimizer", "adam", "--lr", "3e-3", "--clip-norm", "5",
-          "--dropout", "0", "--no-tie-embeddings", "--init-scale", "0"]
+          "--dropout", "0", "--no-tie-embeddings", "--init-scale", "0", *NO_INSPECTION]
 
 
 def model_config(**fields):

@@ -467,7 +467,8 @@ def test_on_nan_skip_goes_on_to_the_end(corpus, reference, tmp_path, capsys):
     """Every batch after step 1 is skipped; the run evaluates, exports and writes its
     metrics (NaN perplexities) without a traceback; the epoch-end checkpoint, written
     after all the skipped batches, is still step 1's state."""
-    code = train_main(run_args(corpus, tmp_path, "--max-steps", "4", "--on-nan", "skip"))
+    code = train_main(run_args(corpus, tmp_path, "--max-steps", "4", "--on-nan", "skip",
+                               "--epoch-inspection"))
     err = capsys.readouterr().err
     assert code == 0, err[-3000:]
     assert "Traceback" not in err and "error:" not in err

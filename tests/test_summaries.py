@@ -210,3 +210,16 @@ def test_close_stops_a_profiler_the_run_did_not_reach_the_end_of(tmp_path, monke
     assert [e[0] for e in log] == ["start"]
     writer.close()
     assert [e[0] for e in log] == ["start", "stop"]
+
+
+def test_without_epoch_inspection_an_epoch_end_writes_no_norms_or_samples(tiny_args, tmp_path):
+    """--no-epoch-inspection (the suite's runs, see conftest.NO_INSPECTION): an epoch's
+    end writes the weight histograms but neither the gradient norms nor text samples;
+    with it on (the default) tests/test_tensorboard.py reads the samples back."""
+    from tfpar.tools.cli import train_main
+
+    assert "--no-epoch-inspection" in tiny_args
+    assert train_main(tiny_args + ["--max-steps", "0", "--no-export"]) == 0
+    tags = read_events(tmp_path / "run" / "train")
+    assert [t for t in tags if t == "samples" or t.startswith("gradient_norm")] == []
+    assert [t for t in tags if tags[t][0][2] == "histograms"]

@@ -513,6 +513,10 @@ class RunConfig:
         3600.0, "a side-car evaluator task (TF_CONFIG task type evaluator) stops with an "
         "error after this many seconds without a new checkpoint", metavar="SECONDS")
     log_every: int = flag(10, "write step summaries every this many steps")
+    epoch_inspection: bool = flag(
+        True, "at each epoch end, write to TensorBoard the gradient norms of a fixed train "
+        "batch and text sampled from the model, computed on a copy of the model on the host "
+        "(its weights' memory again; tracing it adds a few seconds to a run)")
     metrics_json: str = flag(
         "", "write the run's final metrics to this JSON file (a local path or a URL; "
         "default: none)")

@@ -239,7 +239,8 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
         checkpoints.clear_final_step(model_dir)  # an earlier end: this run trains on
     writer = summaries.Writer(model_dir, plugin.is_chief)
     writer.config_text(config)
-    writer.enable_inspection(config, vocab, data)  # per-epoch gradient norms, text samples
+    if config.run.epoch_inspection:  # per-epoch gradient norms, text samples
+        writer.enable_inspection(config, vocab, data)
 
     loss = output_loss(config.model)  # the full or sampled softmax the step is handed
     clip = config.train.clip_norm
