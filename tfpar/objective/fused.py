@@ -77,38 +77,30 @@ def fused_softmax_nll(h: tf.Tensor, kernel, bias, targets: tf.Tensor,
       ``kernel`` and ``bias``.
     """
     with tf.name_scope("fused_softmax_nll"):  # one box in TensorBoard's graph
-        return _fused_softmax_nll(h, kernel, bias, targets, token_weights,
-                                  vocab_major=vocab_major, matmul_dtype=matmul_dtype,
-                                  rows=rows, columns=columns,
-                                  gradient_in_forward=gradient_in_forward)
+        h, targets, token_weights = _flat(h, targets, token_weights)
+        count = tf.reduce_sum(token_weights)
+        if not gradient_in_forward:
+            nll = token_nll(h, kernel, bias, targets, vocab_major=vocab_major,
+                            matmul_dtype=matmul_dtype, rows=rows, columns=columns)
+            return tf.reduce_sum(nll * token_weights), count
+        layout = (vocab_major, matmul_dtype)
+        kernel, bias = _tensor(kernel), _tensor(bias)
 
+        def one_block():
+            return _one_block(h, targets, token_weights, kernel, bias, layout)
 
-def _fused_softmax_nll(h, kernel, bias, targets, token_weights, *, vocab_major, matmul_dtype,
-                       rows, columns, gradient_in_forward):
-    h, targets, token_weights = _flat(h, targets, token_weights)
-    count = tf.reduce_sum(token_weights)
-    if not gradient_in_forward:
-        nll = token_nll(h, kernel, bias, targets, vocab_major=vocab_major,
-                        matmul_dtype=matmul_dtype, rows=rows, columns=columns)
-        return tf.reduce_sum(nll * token_weights), count
-    layout = (vocab_major, matmul_dtype)
-    kernel, bias = _tensor(kernel), _tensor(bias)
+        def blocks():
+            return _blocks(h, targets, token_weights, kernel, bias, layout, rows=rows,
+                           columns=columns)
 
-    def one_block():
-        return _one_block(h, targets, token_weights, kernel, bias, layout)
-
-    def blocks():
-        return _blocks(h, targets, token_weights, kernel, bias, layout, rows=rows,
-                       columns=columns)
-
-    if bias.shape[0] > columns:
-        return blocks(), count
-    n = h.shape[0]
-    if n is not None:
-        return (one_block() if n <= rows else blocks()), count
-    # The trace hides the row count (a strategy's slice of the batch, a batch read inside
-    # a multi-step loop): the path follows the count the step runs with.
-    return tf.cond(tf.shape(h)[0] <= rows, one_block, blocks), count
+        if bias.shape[0] > columns:
+            return blocks(), count
+        n = h.shape[0]
+        if n is not None:
+            return (one_block() if n <= rows else blocks()), count
+        # The trace hides the row count (a strategy's slice of the batch, a batch read inside
+        # a multi-step loop): the path follows the count the step runs with.
+        return tf.cond(tf.shape(h)[0] <= rows, one_block, blocks), count
 
 
 def _blocks(h, targets, token_weights, kernel, bias, layout, *, rows: int, columns: int):
