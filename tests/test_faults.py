@@ -179,9 +179,9 @@ def test_a_reference_that_ends_at_an_epoch_end_before_max_steps(tmp_path, monkey
     ref = faults.run_reference(faults.KillSpec(), "sentence", str(tmp_path))
     assert ref.schedule.max_steps == 76
     assert ref.checkpoint_interval == pytest.approx(0.5)
-    assert faults.redraw_anchors(ref, 5, 0) == [5, 10, 15, 20, 25, 30, 40, 45, 50, 55, 60,
-                                                65, 70]
-    assert faults.redraw_anchors(ref, 5, 60) == [65, 70]
+    assert faults.redraw_anchors(ref, 0) == [5, 10, 15, 20, 25, 30, 40, 45, 50, 55, 60, 65,
+                                             70]
+    assert faults.redraw_anchors(ref, 60) == [65, 70]
     model_dir = tmp_path / "run"
     checkpoint_files(model_dir, [70, 75, 76], 76)
     proc = fake_process(model_dir, CORPUS, {70: 7.0, 75: 7.5, 76: 7.6})

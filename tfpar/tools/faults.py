@@ -386,6 +386,10 @@ class Schedule:
     every: int
     epoch_ends: tuple[int, ...] = ()
 
+    def crosses_epoch_end(self, a: int, b: int) -> bool:
+        """Whether an epoch ends after step ``a``, at or before step ``b``."""
+        return any(a < e <= b for e in self.epoch_ends)
+
     def next_save(self, step: int) -> int:
         candidates = [step - step % self.every + self.every, self.max_steps]
         candidates += [e for e in self.epoch_ends if e > step]
@@ -458,7 +462,7 @@ def step_pace(seen: dict[int, float], schedule: Schedule) -> float | None:
     (and so no evaluation) in between; None when there are no such two."""
     steps = sorted(seen)
     for a, b in reversed(list(zip(steps, steps[1:]))):
-        if not any(a < e <= b for e in schedule.epoch_ends):
+        if not schedule.crosses_epoch_end(a, b):
             return max(seen[b] - seen[a], 1e-3) / (b - a)
     return None
 
@@ -704,19 +708,20 @@ def training_interval(seen: dict[int, float], schedule: Schedule) -> float:
     next one.) 0.0 when there are no two such checkpoints."""
     steps = sorted(seen)
     gaps = [seen[b] - seen[a] for a, b in zip(steps, steps[1:])
-            if b - a == schedule.every and not any(a < e <= b for e in schedule.epoch_ends)]
+            if b - a == schedule.every and not schedule.crosses_epoch_end(a, b)]
     return statistics.median(gaps) if gaps else 0.0
 
 
-def redraw_anchors(ref: Reference, every: int, after: int) -> list[int]:
+def redraw_anchors(ref: Reference, after: int) -> list[int]:
     """The checkpoints a redrawn kill may follow: those of the reference after step
     ``after`` that a whole interval of training follows (no epoch end inside it, not past
     the reference's last step), so a kill up to one interval later lands in training or
-    in the next checkpoint's write. (Every multiple of ``every`` below ``--max-steps``
-    offered checkpoints past a run's last epoch end, which never come, and ones an
-    epoch-end evaluation follows.)"""
-    return [c for c in range(every, ref.schedule.max_steps, every)
-            if c > after and ref.schedule.next_save(c) == c + every]
+    in the next checkpoint's write. (Every multiple of ``--checkpoint-every`` below
+    ``--max-steps`` offered checkpoints past a run's last epoch end, which never come,
+    and ones an epoch-end evaluation follows.)"""
+    schedule = ref.schedule
+    return [c for c in range(schedule.every, schedule.max_steps, schedule.every)
+            if c > after and schedule.next_save(c) == c + schedule.every]
 
 
 def kill_round(spec: KillSpec, mode: str, index: int, ref: Reference, root: str,
@@ -739,7 +744,7 @@ def kill_round(spec: KillSpec, mode: str, index: int, ref: Reference, root: str,
     for _ in range(spec.kills_per_run):
         left = latest_step(model_dir)  # what this run must restore
         proc = TrainProcess(args, model_dir)
-        ahead = redraw_anchors(ref, spec.checkpoint_every, left or 0)
+        ahead = redraw_anchors(ref, left or 0)
         if draw and ahead:
             alive, moment = proc.kill_after_checkpoint(
                 rng.choice(ahead), rng.uniform(0.0, ref.checkpoint_interval), timeout)
