@@ -270,6 +270,28 @@ def test_two_mirrored_replicas_equal_the_hand_computed_update():
         assert compare_step(ours, oracle, rows, f"step {k}") < CLIP_ABOVE / 2
 
 
+@pytest.mark.parametrize("strategy", ["default", "mirrored"])
+def test_a_sentence_mode_step_is_traced_once_for_every_batch_shape(strategy):
+    """Sentence batches vary in rows and length from step to step: the train and eval
+    steps are each traced once, for every shape (reduce_retracing alone traces the first
+    batch's exact shape, then again for the second: the step's graph built twice), and
+    each batch still gets its own update: what the oracle computes for it."""
+    from tfpar.objective.step import make_eval_step
+
+    weights = initial_weights(FULL)
+    dist = DistConfig() if strategy == "default" else DistConfig(
+        strategy="mirrored", devices=("/device:CPU:0", "/device:CPU:1"))
+    ours, oracle = tfpar_run(FULL, weights, CLIP_ABOVE, dist), Oracle(FULL, weights, CLIP_ABOVE)
+    evaluate = make_eval_step(ours.plugin, ours.state.model)
+    shapes = [BATCHES[0], BATCHES[1][:3], [row[:4] for row in BATCHES[2]]]  # [5, 6] [3, 6] [5, 4]
+    for k, rows in enumerate(shapes):
+        compare_step(ours, oracle, rows, f"step {k}")
+        dataset = tf.data.Dataset.from_tensors(batch_of(rows))
+        evaluate(next(iter(ours.plugin.distribute(lambda ctx: per_replica(dataset, ctx)))))
+    assert ours.step.function.experimental_get_tracing_count() == 1
+    assert evaluate.function.experimental_get_tracing_count() == 1
+
+
 def test_a_replica_handed_no_rows_leaves_the_update_of_the_others():
     """When one multi_worker input pipeline has ended before another, ``tf.distribute``
     hands its replicas batches of 0 rows (which Keras RNN kernels reject); the replica

@@ -58,6 +58,9 @@ from tfpar.data.vocab import EOS_ID, PAD_ID, Vocab, train_counts
 
 log = logging.getLogger(__name__)
 AUTOTUNE = tf.data.AUTOTUNE
+# tf.data hands every function it traces to autograph unless it is marked; the pipeline's
+# functions are plain graph code (named ones carry the decorator, lambdas are wrapped).
+plain = tf.autograph.experimental.do_not_convert
 
 
 # ----------------------------------------------------------------------------- tokenising
@@ -130,7 +133,7 @@ def fill_partial_batches(batches: tf.data.Dataset, batch_size: int) -> tf.data.D
     Elements: {"inputs": [b, T], "targets": [b, T]} in and out.
     """
     marker = {"inputs": tf.zeros([0, 1], tf.int32), "targets": tf.zeros([0, 1], tf.int32)}
-    tagged = batches.map(lambda b: (b, False)).concatenate(
+    tagged = batches.map(plain(lambda b: (b, False))).concatenate(
         tf.data.Dataset.from_tensors((marker, True)))
 
     @tf.autograph.experimental.do_not_convert
@@ -160,7 +163,8 @@ def fill_partial_batches(batches: tf.data.Dataset, batch_size: int) -> tf.data.D
         return tf.cond(full, pass_through, hold)
 
     start = {k: tf.zeros([0, 1], tf.int32) for k in ("inputs", "targets")}
-    return tagged.scan(start, step).filter(lambda b, ready: ready).map(lambda b, ready: b)
+    return tagged.scan(start, step).filter(plain(lambda b, ready: ready)) \
+        .map(plain(lambda b, ready: b))
 
 
 @tf.autograph.experimental.do_not_convert
@@ -314,7 +318,7 @@ class InputData:
         ds = self._examples(self.pipeline_lines(split, shuffle=shuffle, epoch=epoch,
                                                 pipelines=pipelines, index=index))
         return fill_partial_batches(ds.bucket_by_sequence_length(
-            lambda ex: tf.shape(ex["targets"])[0],
+            plain(lambda ex: tf.shape(ex["targets"])[0]),
             bucket_boundaries=self.boundaries,
             bucket_batch_sizes=[batch_size] * (len(self.boundaries) + 1),
             padding_values={"inputs": PAD_ID, "targets": PAD_ID},
@@ -381,9 +385,10 @@ class InputData:
         table = segment_table([seg for _, seg in columns.segments])
         skips = tf.constant(columns.skips, tf.int64)
 
+        @tf.autograph.experimental.do_not_convert
         def column_windows(r):
             mine = tf.data.Dataset.zip((tf.data.Dataset.from_tensor_slices(owner), table)) \
-                .filter(lambda who, _: tf.equal(who, r)).map(lambda _, seg: seg)
+                .filter(plain(lambda who, _: tf.equal(who, r))).map(plain(lambda _, seg: seg))
             return self._windows(mine.flat_map(segment_lines), skip=tf.gather(skips, r),
                                  take=tf.constant(columns.length, tf.int64))
 
@@ -415,9 +420,9 @@ class InputData:
             return ((to_skip - dropped, to_take - tf.size(kept, tf.int64)),
                     (kept, to_take > 0))
 
-        chunks = lines.map(lambda b: stream_ids(b, table, tokenizer=tokenizer)) \
-            .scan((skip, take), trim).take_while(lambda kept, wanted: wanted) \
-            .map(lambda kept, wanted: (kept, False))
+        chunks = lines.map(plain(lambda b: stream_ids(b, table, tokenizer=tokenizer))) \
+            .scan((skip, take), trim).take_while(plain(lambda kept, wanted: wanted)) \
+            .map(plain(lambda kept, wanted: (kept, False)))
         chunks = chunks.concatenate(tf.data.Dataset.from_tensors((tf.zeros([0], tf.int32), True)))
         columns = tf.range(bptt + 1)
 

@@ -87,16 +87,38 @@ class Aggregated:
     state: Any = None  # final recurrent state (already cut from the gradient tape)
 
 
-def as_step_output(step_fn):
+def as_step_output(step_fn, *, any_shape: bool = False):
     """Wraps a ``tf.function`` that returns a dict of StepOutput fields (tf.function cannot
     return a dataclass) so callers get a :class:`StepOutput`. The wrapped function stays
-    reachable as ``.function`` (graph inspection in tests)."""
+    reachable as ``.function`` (graph inspection in tests).
+
+    ``any_shape`` (sentence mode, whose batches vary in shape): the first call traces the
+    function for every shape of its arguments (:func:`any_shape_specs`), the one trace
+    every later batch runs. Left to ``reduce_retracing``, the first batch would get a trace
+    of its own exact shapes and the second a shape-relaxed one: the step's graph built
+    twice, for the same ops (the model forgets static shapes in sentence mode).
+    """
 
     def step(batch, state=None):
+        if any_shape and not step.traced:
+            step_fn.get_concrete_function(*any_shape_specs((batch, state)))
+            step.traced = True
         return StepOutput(**step_fn(batch, state))
+
+    step.traced = False
 
     step.function = step_fn
     return step
+
+
+def any_shape_specs(values):
+    """The type specs of ``values`` (a structure of tensors, distributed values or None)
+    with every dimension unknown: [b, T] -> [None, None]."""
+    # TypeSpec's rank-only relaxation (what reduce_retracing's later traces get) reaches
+    # into composite specs too: a PerReplica's is one spec per replica.
+    return tf.nest.map_structure(
+        lambda v: None if v is None else tf.type_spec_from_value(v)._with_tensor_ranks_only(),
+        values)
 
 
 def forward(model, batch: dict, state=None, training: bool = False, *, loss,
@@ -426,7 +448,7 @@ def make_train_step(plugin, model, optimizer, *, clip_norm: float, loss=None):
         return dict(nll_sum=agg.nll_sum, count=agg.count, grad_norm=agg.norm,
                     state=agg.state)
 
-    return as_step_output(train_step)
+    return as_step_output(train_step, any_shape=not model.fixed_shapes)
 
 
 def make_eval_step(plugin, model, loss=None):
@@ -440,4 +462,4 @@ def make_eval_step(plugin, model, loss=None):
         nll_sum, count, final = evaluate(plugin, model, loss, batch, state)
         return dict(nll_sum=nll_sum, count=count, state=final)
 
-    return as_step_output(eval_step)
+    return as_step_output(eval_step, any_shape=not model.fixed_shapes)

@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from tfpar.config import MODES, PRECISIONS, DataConfig, DistConfig, ModelConfig
 from tfpar.data import synthetic
-from tfpar.data.pipeline import InputData
+from tfpar.data.pipeline import InputData, plain
 from tfpar.data.vocab import Vocab
 from tfpar.errors import ClusterError, ConfigError
 from tfpar.model.lm import build_model
@@ -195,9 +195,10 @@ def shared_batches(data: InputData, split: str, batch_size: int, shares: int, *,
         first, rows = pipeline_rows(batch_size, Context(shares, shares, index))
         ds = data.sentence_batches(split, rows, shuffle=shuffle, epoch=epoch,
                                    pipelines=shares, index=index)
-        parts.append(ds.map(lambda b, first=first: (with_rows(b, first), True))
+        parts.append(ds.map(plain(lambda b, first=first: (with_rows(b, first), True)))
                      .concatenate(ended))
 
+    @plain
     def join(*parts_):
         length = tf.reduce_max([tf.shape(b["targets"])[1] for b, _ in parts_])
         out = {}
@@ -208,7 +209,7 @@ def shared_batches(data: InputData, split: str, batch_size: int, shares: int, *,
         return out
 
     return tf.data.Dataset.zip(tuple(parts)).take_while(
-        lambda *parts_: tf.reduce_any(tf.stack([alive for _, alive in parts_]))).map(join)
+        plain(lambda *parts_: tf.reduce_any(tf.stack([alive for _, alive in parts_])))).map(join)
 
 
 @dataclasses.dataclass

@@ -360,4 +360,5 @@ class Loop:
 
 def count_batches(dataset: tf.data.Dataset) -> int:
     """Elements in a finite dataset (runs the input pipeline once)."""
-    return int(dataset.reduce(np.int64(0), lambda n, _: n + 1))
+    return int(dataset.reduce(np.int64(0), tf.autograph.experimental.do_not_convert(
+        lambda n, _: n + 1)))
