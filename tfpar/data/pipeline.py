@@ -361,19 +361,30 @@ class InputData:
         return columns
 
     def _token_counts(self, segments: Sequence) -> list[int]:
-        """Stream tokens (each line's tokens + ``<eos>``) of every segment, in one pass."""
+        """Stream tokens (each line's tokens + ``<eos>``) of every segment, in one pass.
+
+        One dataset reads every segment's line batches, tagged with the segment's index,
+        and one ``reduce`` adds each batch's count to its segment's total. (A ``reduce``
+        per segment, inside a ``map``, started a dataset per segment: 0.1 s each, 1.6 s
+        for the 16 columns of a 40-line split.)"""
         if not segments:
             return []
         tokenizer = self.vocab.tokenizer
 
         @tf.autograph.experimental.do_not_convert
-        def count(path, start, end, size):
-            return segment_lines(path, start, end, size).reduce(
-                tf.constant(0, tf.int64),
-                lambda total, b: total + tf.reduce_sum(split_tokens(b, tokenizer).row_lengths())
-                + tf.size(b, tf.int64))
+        def counted(index, segment):
+            return segment_lines(*segment).map(plain(lambda b: (
+                index, tf.reduce_sum(split_tokens(b, tokenizer).row_lengths())
+                + tf.size(b, tf.int64))))
 
-        return [int(n) for n in segment_table(segments).map(count).as_numpy_iterator()]
+        @tf.autograph.experimental.do_not_convert
+        def add(totals, element):
+            index, tokens = element
+            return tf.tensor_scatter_nd_add(totals, [[index]], [tokens])
+
+        totals = segment_table(segments).enumerate().flat_map(counted).reduce(
+            tf.zeros([len(segments)], tf.int64), add)
+        return [int(n) for n in totals.numpy()]
 
     def stream_batches(self, split: str, batch_size: int) -> tf.data.Dataset:
         """Global batches of ``split`` in stream mode: ``batch_size`` equal columns of the
