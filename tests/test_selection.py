@@ -138,6 +138,32 @@ def test_mid_epoch_last_weights_that_beat_the_best_are_used(tiny_corpus_dir, tmp
     assert int(best["optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"]) == 3
 
 
+@pytest.mark.parametrize("max_steps,want", [
+    (0, ["valid", "valid", "test"]),  # 2 epochs: each end's valid, then test
+    (4, ["valid", "valid", "test"]),  # 1 step into epoch 2: epoch 1's, the last weights'
+])
+def test_the_last_epoch_ends_valid_evaluation_is_the_finals(max_steps, want, tiny_corpus_dir,
+                                                            tmp_path, monkeypatch):
+    """Weights the last epoch end evaluated are not evaluated again at the end (the same
+    weights, a deterministic evaluation): the final valid perplexity is that epoch's, to
+    the bit. A run that ends mid-epoch evaluates its last weights."""
+    calls, real = [], run.evaluate
+
+    def counted(plugin, eval_step, data, split, batch_size):
+        calls.append(split)
+        return real(plugin, eval_step, data, split, batch_size)
+
+    monkeypatch.setattr(loop, "evaluate", counted)
+    monkeypatch.setattr(run, "evaluate", counted)
+    assert train_main(run_args(tiny_corpus_dir, tmp_path, "--epochs", "2", "--max-steps",
+                               str(max_steps), "--final-weights", "last", "--no-export")) == 0
+    assert calls == want
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert m["final_weights"]["step"] == (max_steps or 6)
+    if not max_steps:
+        assert m["valid_ppl"] == lines(tmp_path)[-1]["valid_ppl"]
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--lr-decay-on-plateau", "1.5"], "error: --lr-decay-on-plateau must be in [0, 1) (0: off; "
                                        "0.25 divides the rate by 4), got 1.5"),

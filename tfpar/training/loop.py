@@ -94,6 +94,9 @@ class Loop:
         self.train_steps = train_steps
         self.progress = Progress()
         self.last_epoch_batches = 0  # batches of the last whole epoch (the bar's total)
+        # (step, nll, tokens) of the last epoch end's valid evaluation: the final
+        # evaluation reuses it when training ended there (the same weights).
+        self.valid_at: tuple[int, float, float] | None = None
         self.stream = config.data.mode == "stream"
         self.carry = StreamCarry(plugin, state, stream=self.stream)
         checkpointer.before_save = self.carry.store
@@ -329,6 +332,7 @@ class Loop:
     def end_epoch(self, epoch: int) -> None:
         nll, count = evaluate(self.plugin, self.eval_step, self.data, "valid",
                               self.config.train.global_eval_batch_size)
+        self.valid_at = (self.step, nll, count)
         ppl = perplexity(nll, count)
         began, before = self.epoch_began
         p = self.progress

@@ -274,7 +274,7 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
     metrics.update(timings, first_step_time=progress.first_step_time)
     metrics["stopped_early"] = loop.stopped_early
     final = metrics["final_weights"] = _final_weights(config, plugin, data, state, ckpt,
-                                                      eval_step)
+                                                      eval_step, loop.valid_at)
     metrics["valid_ppl"] = final["valid_ppl"]  # measured on the weights now in the model
     nll, count = evaluate(plugin, eval_step, data, "test", config.train.global_eval_batch_size)
     metrics["test_ppl"] = perplexity(nll, count)
@@ -289,7 +289,7 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
 
 
 def _final_weights(config: Config, plugin, data: InputData, state, ckpt,
-                   eval_step) -> dict[str, Any]:
+                   eval_step, valid_at=None) -> dict[str, Any]:
     """Chooses the weights the final evaluation and the export use, and says which.
 
     ``--final-weights best``: the best epoch-end state by valid perplexity
@@ -297,10 +297,15 @@ def _final_weights(config: Config, plugin, data: InputData, state, ckpt,
     into ``state``); otherwise the last weights (the latest checkpoint). ``last``: the
     last weights. Returns ``{"kind": "best"|"last", "epoch", "step", "valid_ppl"}``:
     "best" when the weights are the kept best epoch's (epoch 0: the last weights are
-    not an epoch end's).
+    not an epoch end's). ``valid_at``: (step, nll, tokens) of the last epoch end's valid
+    evaluation, reused when training ended there (evaluation is deterministic).
     """
     selection = state.selection
-    nll, count = evaluate(plugin, eval_step, data, "valid", config.train.global_eval_batch_size)
+    if valid_at is not None and valid_at[0] == state.step:
+        nll, count = valid_at[1:]
+    else:
+        nll, count = evaluate(plugin, eval_step, data, "valid",
+                              config.train.global_eval_batch_size)
     last_ppl, last_step = perplexity(nll, count), state.step
     epoch = int(state.epoch.numpy()) if int(state.batch_in_epoch.numpy()) == 0 else 0
     last = {"kind": "last", "epoch": epoch, "step": last_step, "valid_ppl": last_ppl}
