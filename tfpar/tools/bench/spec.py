@@ -14,15 +14,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 DEFAULT_PTB = os.path.join(os.path.dirname(REPO), "shared", "data", "ptb")
 
-# name -> (comparison, threshold); checked by check_targets.
+# name -> (comparison, threshold); checked by check_targets. The speed targets are the
+# fused output layer's (tfpar_vs_keras_baseline, default_fraction_of_limit, the output
+# layer's own fraction, bf16_vs_fp32); they replaced 1.5, 0.85 and 1.7 (tfpar/docs/
+# benchmarks.md says what each measures and where the step stands).
 TARGETS: dict[str, tuple[str, float]] = {
-    "tfpar_vs_keras_baseline": (">=", 1.5),
+    "tfpar_vs_keras_baseline": (">=", 1.7),
     "input_stall_fraction": ("<=", 0.02),
     "pad_fraction_bucketed": ("<=", 0.03),
     "mirrored1_vs_default": (">=", 0.95),
     "mirrored2_vs_default": (">=", 1.0),
-    "default_fraction_of_limit": (">=", 0.85),
-    "bf16_vs_fp32": (">=", 1.7),
+    "default_fraction_of_limit": (">=", 0.80),
+    "output_layer_fp32_stream_fraction_of_limit": (">=", 0.85),
+    "bf16_vs_fp32": (">=", 1.35),
     "spe10_vs_1": (">=", 1.02),
 }
 # Checked only when the run has --loopback-workers (the scaling model against N
