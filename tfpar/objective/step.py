@@ -106,7 +106,6 @@ def as_step_output(step_fn, *, any_shape: bool = False):
         return StepOutput(**step_fn(batch, state))
 
     step.traced = False
-
     step.function = step_fn
     return step
 
