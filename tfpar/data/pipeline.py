@@ -64,7 +64,7 @@ plain = tf.autograph.experimental.do_not_convert
 
 
 # ----------------------------------------------------------------------------- tokenising
-@tf.autograph.experimental.do_not_convert
+@plain
 def tokenize(lines: tf.Tensor, table: tf.lookup.StaticHashTable, *,
              tokenizer: str) -> tf.RaggedTensor:
     """[N] strings → [N, (n_i)] int32 token ids (``tfpar.data.tokenize.split_tokens``
@@ -73,14 +73,14 @@ def tokenize(lines: tf.Tensor, table: tf.lookup.StaticHashTable, *,
     return tf.cast(tf.ragged.map_flat_values(table.lookup, words), tf.int32)
 
 
-@tf.autograph.experimental.do_not_convert
+@plain
 def with_eos(ids: tf.RaggedTensor, *, before: bool = False) -> tf.RaggedTensor:
     """[N, (n_i)] ids → each row followed (and, ``before``, also preceded) by ``<eos>``."""
     eos = tf.RaggedTensor.from_tensor(tf.fill([ids.nrows(), 1], EOS_ID))
     return tf.concat([eos, ids, eos] if before else [ids, eos], axis=1)
 
 
-@tf.autograph.experimental.do_not_convert
+@plain
 def stream_ids(lines: tf.Tensor, table: tf.lookup.StaticHashTable, *,
                tokenizer: str) -> tf.Tensor:
     """[N] lines → [M] int32: a stream-mode token stream, each line's ids then ``<eos>``."""
@@ -136,14 +136,14 @@ def fill_partial_batches(batches: tf.data.Dataset, batch_size: int) -> tf.data.D
     tagged = batches.map(plain(lambda b: (b, False))).concatenate(
         tf.data.Dataset.from_tensors((marker, True)))
 
-    @tf.autograph.experimental.do_not_convert
+    @plain
     def join(a, b):
         length = tf.maximum(tf.shape(a)[1], tf.shape(b)[1])
         pad = lambda x: tf.pad(x, [[0, 0], [0, length - tf.shape(x)[1]]],  # noqa: E731
                                constant_values=PAD_ID)
         return tf.concat([pad(a), pad(b)], axis=0)
 
-    @tf.autograph.experimental.do_not_convert
+    @plain
     def step(held, element):
         batch, end = element
         rows = tf.shape(batch["targets"])[0]
@@ -167,7 +167,7 @@ def fill_partial_batches(batches: tf.data.Dataset, batch_size: int) -> tf.data.D
         .map(plain(lambda b, ready: b))
 
 
-@tf.autograph.experimental.do_not_convert
+@plain
 def _trim_columns(x: tf.Tensor) -> tf.Tensor:
     """[b, T] ids without the trailing columns that are padding in every row."""
     length = tf.reduce_max(tf.reduce_sum(tf.cast(x != PAD_ID, tf.int32), axis=1))
@@ -272,14 +272,14 @@ class InputData:
         split_long = self.config.long_sentences == "split"
         tokenizer = self.vocab.tokenizer
 
-        @tf.autograph.experimental.do_not_convert
+        @plain
         def encode(line_batch):
             full = with_eos(tokenize(line_batch, table, tokenizer=tokenizer), before=True)
             return {"inputs": full[:, :-1], "targets": full[:, 1:]}
 
         ds = lines.map(encode, num_parallel_calls=AUTOTUNE).unbatch()
 
-        @tf.autograph.experimental.do_not_convert
+        @plain
         def pieces(ex):
             if split_long:
                 framed = {k: tf.signal.frame(v, max_len, max_len, pad_end=True, pad_value=PAD_ID)
@@ -371,13 +371,13 @@ class InputData:
             return []
         tokenizer = self.vocab.tokenizer
 
-        @tf.autograph.experimental.do_not_convert
+        @plain
         def counted(index, segment):
             return segment_lines(*segment).map(plain(lambda b: (
                 index, tf.reduce_sum(split_tokens(b, tokenizer).row_lengths())
                 + tf.size(b, tf.int64))))
 
-        @tf.autograph.experimental.do_not_convert
+        @plain
         def add(totals, element):
             index, tokens = element
             return tf.tensor_scatter_nd_add(totals, [[index]], [tokens])
@@ -396,7 +396,7 @@ class InputData:
         table = segment_table([seg for _, seg in columns.segments])
         skips = tf.constant(columns.skips, tf.int64)
 
-        @tf.autograph.experimental.do_not_convert
+        @plain
         def column_windows(r):
             mine = tf.data.Dataset.zip((tf.data.Dataset.from_tensor_slices(owner), table)) \
                 .filter(plain(lambda who, _: tf.equal(who, r))).map(plain(lambda _, seg: seg))
@@ -407,7 +407,7 @@ class InputData:
             column_windows, cycle_length=batch_size, block_length=1)
         ds = ds.batch(batch_size, drop_remainder=True)
 
-        @tf.autograph.experimental.do_not_convert
+        @plain
         def window(w):  # w: [B, bptt + 1]; the last window may be shorter (padding)
             length = tf.reduce_max(tf.reduce_sum(tf.cast(w != PAD_ID, tf.int32), axis=1))
             return {"inputs": w[:, :length - 1], "targets": w[:, 1:length]}
@@ -423,7 +423,7 @@ class InputData:
         table = self.vocab.lookup_table()
         tokenizer = self.vocab.tokenizer
 
-        @tf.autograph.experimental.do_not_convert
+        @plain
         def trim(left, tokens):  # left: (tokens to skip, tokens to take) before this chunk
             to_skip, to_take = left
             dropped = tf.minimum(to_skip, tf.size(tokens, tf.int64))
@@ -437,7 +437,7 @@ class InputData:
         chunks = chunks.concatenate(tf.data.Dataset.from_tensors((tf.zeros([0], tf.int32), True)))
         columns = tf.range(bptt + 1)
 
-        @tf.autograph.experimental.do_not_convert
+        @plain
         def step(carry, chunk):
             tokens, end = chunk
             buf = tf.concat([carry, tokens], 0)
@@ -523,7 +523,7 @@ def _seed(seed: int, epoch: int) -> int:
 SAMPLE_LINES = 100_000
 
 
-@tf.autograph.experimental.do_not_convert
+@plain
 def _trim(ex: dict) -> dict:
     """Drops the padding that ``tf.signal.frame`` added to the last piece."""
     length = tf.reduce_sum(tf.cast(tf.not_equal(ex["targets"], PAD_ID), tf.int32))

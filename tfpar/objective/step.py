@@ -100,12 +100,10 @@ def as_step_output(step_fn, *, any_shape: bool = False):
     """
 
     def step(batch, state=None):
-        if any_shape and not step.traced:
+        if any_shape and not step_fn.experimental_get_tracing_count():
             step_fn.get_concrete_function(*any_shape_specs((batch, state)))
-            step.traced = True
         return StepOutput(**step_fn(batch, state))
 
-    step.traced = False
     step.function = step_fn
     return step
 
