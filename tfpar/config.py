@@ -37,6 +37,9 @@ SOFTMAXES = ("full", "sampled")
 DEFAULT_SOFTMAX_BLOCKS = (1024, 131072)
 # --num-sampled when --softmax sampled does not give it (Jozefowicz et al. 2016: 8192).
 DEFAULT_NUM_SAMPLED = 8192
+# --forget-bias when an LSTM run does not give it: the forget gate's initial bias. Chosen
+# by one epoch on words and characters beside 1.0 (tfpar/docs/quality.md).
+DEFAULT_FORGET_BIAS = 0.0
 ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
 SCALE_LR = ("none", "linear")
 ON_NAN = ("stop", "skip")
@@ -276,7 +279,12 @@ class ModelConfig:
         True, "share the embedding with the softmax (a learned hidden-dim x embed-dim "
         "projection before it when the two differ)")
     init_scale: float = flag(
-        0.1, "initialise every weight uniformly in [-s, s] (0: Keras' defaults)")
+        0.1, "initialise every weight uniformly in [-s, s] (0: Keras' defaults); each "
+        "weight draws from its own stream, keyed by --seed and the weight's role")
+    forget_bias: float | None = flag(
+        None, f"LSTM: the initial value of the forget gate's bias, learned from there "
+        f"(default: {DEFAULT_FORGET_BIAS:g}, chosen by measurement: tfpar/docs/quality.md; "
+        f"Keras' unit_forget_bias is 1.0; an error with --cell gru)")
     precision: str = flag(
         "fp32", "fp32 | bf16 (the large matmuls in bfloat16 on float32 weights; recurrent "
         "state, loss and optimizer stay float32; for CPUs with AMX/AVX512-BF16) | "
@@ -327,6 +335,11 @@ class ModelConfig:
             if value is not None and not 0 <= value < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be in [0, 1), got {value!r}")
         _non_negative("init-scale", self.init_scale)
+        if self.cell == "lstm" and self.forget_bias is None:
+            object.__setattr__(self, "forget_bias", DEFAULT_FORGET_BIAS)
+        elif self.cell != "lstm" and self.forget_bias is not None:
+            raise ConfigError(f"forget-bias {self.forget_bias!r} applies to the LSTM's "
+                              f"forget gate; --cell {self.cell} has none: drop --forget-bias")
 
     def check_vocab_size(self, vocab_size: int) -> None:
         """Raises ConfigError when the sampled softmax cannot draw ``num_sampled``

@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 from tfpar.config import ModelConfig
+from tfpar.model.init import ForgetGateBias, initializer
 from tfpar.model.layers import FastGRU, FastLSTM
 from tfpar.model.noise import Noise, global_rows
 from tfpar.model.precision import dtype_policy, matmul_dtype as precision_matmul_dtype
@@ -52,7 +53,9 @@ class RNNLanguageModel(keras.Model):
         # specialises on a batch's shape (see embed), so every batch runs the same kernels
         # whichever shape a step function happened to be traced with first.
         self.fixed_shapes = fixed_shapes
-        init = _initializer(config.init_scale, seed)
+        # Each weight its own stream, keyed by (seed, role) (tfpar.model.init).
+        def init(role, default="glorot_uniform"):
+            return initializer(role, seed=seed, scale=config.init_scale, default=default)
         # --precision (tfpar.model.precision): a mixed policy makes the embedding and the
         # RNN layers compute in 16 bits; the softmax layer stays float32 with 16-bit matmul
         # inputs, as do every layer's large matmuls with "bf16".
@@ -62,7 +65,7 @@ class RNNLanguageModel(keras.Model):
         embedding_cls = RowEmbedding if config.softmax == "sampled" else keras.layers.Embedding
         self.embedding = embedding_cls(
             vocab_size, config.embed_dim, mask_zero=True, name=EMBEDDING,
-            embeddings_initializer=init or "uniform", **mixed,
+            embeddings_initializer=init(EMBEDDING, "uniform"), **mixed,
         )
         # Keras' LSTM/GRU with a faster recurrence on CPUs (same weights and math; see
         # tfpar.model.layers).
@@ -70,11 +73,19 @@ class RNNLanguageModel(keras.Model):
         # Each layer is its own attribute, not a list element: Keras 3 keeps lists in
         # its own tracked collections, which tf.train.Checkpoint does not see, so layers
         # held only in a list would silently be left out of every checkpoint.
+        # An LSTM's bias starts at zero but for its forget gate's (--forget-bias), in
+        # place of Keras' unit_forget_bias (1.0).
+        gate_bias = ({"unit_forget_bias": False,
+                      "bias_initializer": ForgetGateBias(config.forget_bias)}
+                     if config.cell == "lstm" else {})
         for i in range(config.layers):
-            setattr(self, rnn_name(i), rnn_cls(
-                config.hidden_dim, return_sequences=True, return_state=True, name=rnn_name(i),
+            name = rnn_name(i)
+            setattr(self, name, rnn_cls(
+                config.hidden_dim, return_sequences=True, return_state=True, name=name,
                 matmul_dtype=None if policy is not None else matmul_dtype, **mixed,
-                **({"kernel_initializer": init, "recurrent_initializer": init} if init else {}),
+                kernel_initializer=init(f"{name}/kernel"),
+                recurrent_initializer=init(f"{name}/recurrent_kernel", "orthogonal"),
+                **gate_bias,
             ))
         # Every random mask: a function of (seed, step, site, global row), not of the
         # device (tfpar.model.noise).
@@ -84,15 +95,15 @@ class RNNLanguageModel(keras.Model):
                 rnn.recurrent_noise = self._weight_drop(i)
         if config.tie_embeddings:
             self.softmax = TiedSoftmax(self.embedding, matmul_dtype=matmul_dtype, name=SOFTMAX,
-                                       projection_initializer=init or "glorot_uniform")
+                                       projection_initializer=init(f"{SOFTMAX}/projection"))
         elif config.softmax == "sampled":
             self.softmax = RowSoftmax(vocab_size, matmul_dtype=matmul_dtype, name=SOFTMAX,
-                                      kernel_initializer=init or "glorot_uniform")
+                                      kernel_initializer=init(f"{SOFTMAX}/kernel"))
         else:
             self.softmax = (LowPrecisionDense if matmul_dtype else keras.layers.Dense)(
                 vocab_size, name=SOFTMAX, **({"matmul_dtype": matmul_dtype} if matmul_dtype
                                              else {}),
-                **({"kernel_initializer": init} if init else {})
+                kernel_initializer=init(f"{SOFTMAX}/kernel"),
             )
 
     @property
@@ -311,12 +322,6 @@ def _matmul(x, w, dtype=None, *, transpose_b=False):
     y = tf.matmul(flat, w, transpose_b=transpose_b)
     shape = tf.concat([tf.shape(x)[:-1], tf.shape(y)[-1:]], axis=0)
     return tf.cast(tf.reshape(y, shape), out_dtype)
-
-
-def _initializer(scale: float, seed: int):
-    if not scale:
-        return None
-    return keras.initializers.RandomUniform(-scale, scale, seed=seed)
 
 
 def build_model(config: ModelConfig, vocab_size: int, *, seed: int = 0,
