@@ -21,6 +21,8 @@ def test_ptb_small_is_ptb_word_lm_small_in_tfpars_loss_units():
                                                                             20, 20)
     assert (c.model.cell, c.model.layers, c.model.embed_dim, c.model.hidden_dim,
             c.model.dropout, c.model.init_scale) == ("lstm", 2, 200, 200, 0.0, 0.1)
+    # BasicLSTMCell(size, forget_bias=0.0), whatever tfpar's default.
+    assert c.model.forget_bias == 0.0
     # ptb_word_lm.py sums the loss over the window's 20 steps: its lr 1.0 and clip 5 are
     # lr 20 and clip 0.25 on tfpar's per-token mean.
     assert (c.train.optimizer, c.train.lr, c.train.clip_norm) == ("sgd", 20.0, 0.25)

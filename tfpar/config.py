@@ -335,9 +335,7 @@ class ModelConfig:
             if value is not None and not 0 <= value < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be in [0, 1), got {value!r}")
         _non_negative("init-scale", self.init_scale)
-        if self.cell == "lstm" and self.forget_bias is None:
-            object.__setattr__(self, "forget_bias", DEFAULT_FORGET_BIAS)
-        elif self.cell != "lstm" and self.forget_bias is not None:
+        if self.cell != "lstm" and self.forget_bias is not None:
             raise ConfigError(f"forget-bias {self.forget_bias!r} applies to the LSTM's "
                               f"forget gate; --cell {self.cell} has none: drop --forget-bias")
 
@@ -354,6 +352,11 @@ class ModelConfig:
         if self.softmax_blocks is None:
             return DEFAULT_SOFTMAX_BLOCKS
         return softmax_block_sizes(self.softmax_blocks)
+
+    @property
+    def initial_forget_bias(self) -> float:
+        """An LSTM's forget-gate bias at initialisation: ``forget_bias`` or the default."""
+        return DEFAULT_FORGET_BIAS if self.forget_bias is None else self.forget_bias
 
     def dropout_at(self, site: str) -> float:
         """The rate at ``site``: "input", "hidden" or "output"."""

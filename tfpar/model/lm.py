@@ -76,7 +76,7 @@ class RNNLanguageModel(keras.Model):
         # An LSTM's bias starts at zero but for its forget gate's (--forget-bias), in
         # place of Keras' unit_forget_bias (1.0).
         gate_bias = ({"unit_forget_bias": False,
-                      "bias_initializer": ForgetGateBias(config.forget_bias)}
+                      "bias_initializer": ForgetGateBias(config.initial_forget_bias)}
                      if config.cell == "lstm" else {})
         for i in range(config.layers):
             name = rnn_name(i)

@@ -5,7 +5,8 @@ resolved configuration is what the run logs and saves in ``config.json``.
 
 The ``ptb-*`` presets are the small, medium and large configurations of TensorFlow's
 ``ptb_word_lm.py`` (Zaremba et al., 2014: "Recurrent Neural Network Regularization"):
-stream (BPTT) mode on PTB, plain SGD with gradient clipping, uniform init, a per-epoch
+stream (BPTT) mode on PTB, plain SGD with gradient clipping, uniform init and a forget-gate
+bias of 0 (``BasicLSTMCell(size, forget_bias=0.0)``: ``--forget-bias 0``), a per-epoch
 LR decay after a number of epochs, dropout on the embedding output and on every LSTM
 layer's output. tfpar's loss is the per-token mean, while ``ptb_word_lm.py`` sums the
 loss over the ``bptt`` steps of a window (and averages over the batch), so its gradient
@@ -19,7 +20,9 @@ reference host: a 2x650 LSTM with tied embeddings, locked dropout on the embeddi
 (0.4), between the layers (0.25) and before the softmax (0.4), word-type dropout 0.1,
 weight drop 0.3 on the recurrent matrices (AWD: 0.5 over hundreds of epochs; this run has
 about 15), SGD at AWD's lr 30 and clip 0.25 (AWD's loss is a per-token mean too) with its
-weight decay 1.2e-6, a per-epoch decay in place of NT-ASGD, and a 58-minute limit.
+weight decay 1.2e-6, a per-epoch decay in place of NT-ASGD, and a 58-minute limit. Its
+LSTM is PyTorch's ``nn.LSTM``, whose biases start near 0 (uniform in +-1/sqrt(H), no
+forget-gate offset): tfpar's default ``--forget-bias 0``.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ def _zaremba(*, hidden: int, bptt: int, init: float, clip: float, dropout: float
              decay: float, decay_after: int, epochs: int) -> dict:
     return dict(data="ptb", mode="stream", bptt=bptt, batch_size=20, cell="lstm", layers=2,
                 embed_dim=hidden, hidden_dim=hidden, tie_embeddings=False, dropout=dropout,
-                init_scale=init,
+                init_scale=init, forget_bias=0.0,
                 optimizer="sgd", lr=float(bptt), clip_norm=clip / bptt, lr_decay=decay,
                 decay_after=decay_after, epochs=epochs)
 
