@@ -28,6 +28,8 @@ import statistics
 import time
 from typing import Sequence
 
+from tfpar.tools.parsing import Parser
+
 DEFAULT_STAGES = "embedding=/cpu:0,rnn_0=/cpu:0,rnn_1=/cpu:1,softmax=/cpu:1"
 
 
@@ -245,7 +247,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         allow_abbrev=False, prog="python -m tfpar.tools.bench_pipeline",
         description="Time the pipeline strategy's train step for several numbers of "
                     "micro-batches, next to GPipe's bubble fraction (S-1)/(M+S-1), and "

@@ -19,6 +19,7 @@ from typing import Callable, Mapping, Sequence
 
 from tfpar import config as cfg
 from tfpar.errors import TfparError
+from tfpar.tools.parsing import Parser
 
 # The flags are made from the Config's fields: a flag's default and help are its
 # field's (tfpar.config.flag), so ``Config()`` trains what ``tfpar-train`` with no flags
@@ -141,7 +142,7 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
 
 
 def train_parser(prog: str = "tfpar-train") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog=prog,
         description="Train an RNN language model on one or many devices, evaluate it, "
                     "write TensorBoard events and export a SavedModel.",

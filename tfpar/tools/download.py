@@ -41,6 +41,7 @@ from typing import Mapping, Sequence
 
 from tfpar.data import corpora, layouts
 from tfpar.errors import DataError, TfparError
+from tfpar.tools.parsing import Parser
 
 logger = logging.getLogger("download_data")
 
@@ -404,7 +405,7 @@ def download_lm1b(*, input_dir: str, base_url: str | None = None, timeout: float
 
 
 def parser(prog: str = "tfpar-download") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         allow_abbrev=False, prog=prog,
         description="Download a known corpus into INPUT_DIR/NAME/ and verify its sha256 "
                     "checksums. Needs network access; training never downloads.")

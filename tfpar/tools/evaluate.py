@@ -26,6 +26,7 @@ from tfpar.errors import ConfigError
 from tfpar.tools import cli
 from tfpar.tools.model_dir import (add_weights_flag, check_weights, checkpoint_path,
                                    restore_weights, stored_run)
+from tfpar.tools.parsing import Parser
 
 SPLITS = ("train", "valid", "test")
 DESCRIPTION = ("Perplexity of a corpus split, from a SavedModel or from a training run's "
@@ -33,7 +34,7 @@ DESCRIPTION = ("Perplexity of a corpus split, from a SavedModel or from a traini
 
 
 def parser(prog: str = "tfpar-evaluate") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, allow_abbrev=False)
+    p = Parser(prog=prog, description=DESCRIPTION, allow_abbrev=False)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="a SavedModel version dir or its name dir (highest "
                                        "version)")

@@ -59,6 +59,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from tfpar.errors import ConfigError
+from tfpar.tools.parsing import Parser
 
 # The optimizer, clip norm, init and softmax the measured kill and matrix runs use (the
 # numbers in tfpar/docs/reliability.md), whatever the CLI's defaults.
@@ -1050,7 +1051,7 @@ DESCRIPTION = __doc__.split("\n\n")[0]
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         allow_abbrev=False, prog="faults.py", description=DESCRIPTION,
         epilog="Exit status: 0 all exact / within the tolerance, 1 a failure, 2 a usage error.")
     sub = p.add_subparsers(dest="command", metavar="{kills,matrix}")

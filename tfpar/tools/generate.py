@@ -23,12 +23,13 @@ from typing import Sequence
 from tfpar.errors import ConfigError
 from tfpar.tools.cli import run_main, setup_logging
 from tfpar.tools.model_dir import add_weights_flag, check_weights, restored_model
+from tfpar.tools.parsing import Parser
 
 DESCRIPTION = "Continue prompts with an exported SavedModel or a training run's weights."
 
 
 def parser(prog: str = "tfpar-generate") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, allow_abbrev=False)
+    p = Parser(prog=prog, description=DESCRIPTION, allow_abbrev=False)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model",
                        help="a SavedModel version dir (saved_models/<name>/<version>) or its "

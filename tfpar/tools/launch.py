@@ -53,13 +53,14 @@ worker and ps tasks serve until they are sent SIGTERM; send it when the chief ex
 from __future__ import annotations
 
 import argparse
+from tfpar.tools.parsing import Parser
 import os
 import sys
 from typing import Sequence
 
 
 def parser(prog: str = "tfpar-launch") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         allow_abbrev=False, prog=prog,
         usage="%(prog)s --workers N [--ps M] [--restarts K] [--ports LIST] "
               "[--gpus-per-task G] -- <tfpar-train flags>",

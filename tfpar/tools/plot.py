@@ -23,6 +23,7 @@ from typing import Sequence
 
 from tfpar.errors import ConfigError
 from tfpar.tools import cli
+from tfpar.tools.parsing import Parser
 
 METRICS = "metrics.jsonl"  # tfpar.training.loop.EPOCH_METRICS (this module imports no TF)
 CURVES = ("train_ppl", "valid_ppl")
@@ -30,7 +31,7 @@ DESCRIPTION = "Learning curves (perplexity and learning rate by epoch) of traini
 
 
 def parser(prog: str = "tfpar-plot") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, allow_abbrev=False)
+    p = Parser(prog=prog, description=DESCRIPTION, allow_abbrev=False)
     p.add_argument("model_dirs", nargs="+", metavar="MODEL_DIR",
                    help="a training run's model dir (holds metrics.jsonl); several are drawn "
                         "on one chart, labelled by their folder names")

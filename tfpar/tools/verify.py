@@ -54,6 +54,7 @@ from tfpar.training.loop import evaluate
 from tfpar.training.state import build_train_state
 from tfpar.objective.step import make_eval_step, make_train_step
 from tfpar.training.runner import run_steps
+from tfpar.tools.parsing import Parser
 
 log = logging.getLogger(__name__)
 
@@ -556,7 +557,7 @@ def format_table(rows: list[Row]) -> str:
 
 # ------------------------------------------------------------------------- command line
 def parser(prog: str = "tfpar-verify") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         allow_abbrev=False, prog=prog,
         description=(
             "Train each strategy for a few steps from the same initial weights on the same "

@@ -8,10 +8,11 @@ import sys
 from typing import Any, Sequence
 
 from tfpar.tools.bench.spec import DEFAULT_PTB, BenchSpec, quick_spec, tiny_spec
+from tfpar.tools.parsing import Parser
 
 
 def parser(prog: str = "tfpar-benchmark") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         allow_abbrev=False, prog=prog,
         description="Training throughput of tfpar against plain Keras, the input pipeline's "
                     "share, padding, and the cost of distribution, measured side by side.")
