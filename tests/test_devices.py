@@ -135,3 +135,41 @@ def test_a_few_rows_per_replica_are_warned_about(batch, replicas, warned, caplog
     assert (f"--batch-size {batch} over {replicas} replicas is 3 rows each: too few to keep a "
             f"device busy; --batch-size 8 or more gives each 4" in caplog.text) == warned
     assert bool(caplog.records) == warned
+
+
+# ---------------------------------------------------------------- GPU memory growth
+def fake_gpu_host(monkeypatch, set_growth):
+    """TensorFlow patched to report two physical GPUs; memory growth goes to ``set_growth``."""
+    import tensorflow as tf
+
+    gpus = [tf.config.PhysicalDevice(f"/physical_device:GPU:{i}", "GPU") for i in range(2)]
+    real = tf.config.list_physical_devices
+    monkeypatch.setattr(tf.config, "list_physical_devices",
+                        lambda kind=None: list(gpus) if kind == "GPU" else real(kind))
+    monkeypatch.setattr(tf.config.experimental, "set_memory_growth", set_growth)
+
+
+def test_memory_growth_is_set_on_every_gpu_before_tensorflow_starts(monkeypatch, caplog):
+    grown = []
+    fake_gpu_host(monkeypatch, lambda gpu, on: grown.append((gpu.name, on)))
+    devices.configure_gpus()
+    assert grown == [("/physical_device:GPU:0", True), ("/physical_device:GPU:1", True)]
+    assert not caplog.records
+
+
+def test_memory_growth_after_tensorflow_started_is_one_warning_not_a_failure(monkeypatch,
+                                                                             caplog):
+    """Issue 42, failure 2: a notebook (or the GPU suite's conftest) that touched TensorFlow
+    first made every GPU run raise here."""
+    import logging
+
+    def started(gpu, on):
+        raise RuntimeError("Physical devices cannot be modified after being initialized")
+
+    fake_gpu_host(monkeypatch, started)
+    with caplog.at_level(logging.INFO, logger="tfpar.parallel.devices"):
+        devices.configure_gpus()
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [(
+        "WARNING", "GPU memory growth not set: TensorFlow had started before tfpar configured "
+        "the GPUs, so they keep TensorFlow's setting (nearly all memory mapped at start unless "
+        "TF_FORCE_GPU_ALLOW_GROWTH=true was set before it started)")]

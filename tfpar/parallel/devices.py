@@ -73,8 +73,7 @@ def configure_gpus(cpu_only: bool = False) -> None:
         log.info("--cpu-only: GPUs hidden, training on CPUs")
         return
     gpus = tf.config.list_physical_devices("GPU")
-    for gpu in gpus:
-        tf.config.experimental.set_memory_growth(gpu, True)
+    set_memory_growth(gpus)
     if not gpus:
         evidence = gpus_expected()
         if evidence:
@@ -82,6 +81,24 @@ def configure_gpus(cpu_only: bool = False) -> None:
                 f"this host should have GPUs ({evidence}) but TensorFlow found none; its "
                 "log lines above say what failed (driver, CUDA libraries: pip install "
                 "'tfpar[gpu]' brings them); pass --cpu-only to train on CPUs")
+
+
+def set_memory_growth(gpus) -> None:
+    """Lets each GPU in ``gpus`` grow its memory as needed, where TensorFlow still allows it.
+
+    TensorFlow fixes GPU memory when its runtime starts: once anything has run (a notebook
+    cell, a test's conftest, an earlier run in this process), ``set_memory_growth`` raises
+    RuntimeError. The run can still go on with TensorFlow's own setting, so that is one
+    warning, not a failure.
+    """
+    try:
+        for gpu in gpus:
+            tf.config.experimental.set_memory_growth(gpu, True)
+    except RuntimeError:
+        log.warning(
+            "GPU memory growth not set: TensorFlow had started before tfpar configured the "
+            "GPUs, so they keep TensorFlow's setting (nearly all memory mapped at start "
+            "unless TF_FORCE_GPU_ALLOW_GROWTH=true was set before it started)")
 
 
 def num_gpus() -> int:
