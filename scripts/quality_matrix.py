@@ -21,7 +21,6 @@ every tfpar run (e.g. ``--forget-bias 1`` to measure a setting); results accumul
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -31,6 +30,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tfpar.tools.parsing import Parser  # noqa: E402  (no TensorFlow)
+
 # Every run's hyperparameters, PyTorch's defaults (its flag names, then tfpar's).
 COMMON_TORCH = ["--emsize", "200", "--nhid", "200", "--nlayers", "2", "--lr", "20",
                 "--clip", "0.25", "--bptt", "35", "--batch_size", "20", "--dropout", "0.2",
@@ -131,7 +134,7 @@ def table(results: list[dict]) -> str:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(prog="quality_matrix.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True, type=Path,
                    help="folder holding ptb/ and wikitext-2/ (the shared corpora)")
     p.add_argument("--torch-python", required=True,

@@ -372,3 +372,30 @@ def test_sampled_softmax_usage_errors(argv, message, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(message), err
     assert [line for line in err if "error" in line.lower()] == err[-1:], err
+
+
+def test_verify_turns_tf32_off_while_it_runs_and_says_so(monkeypatch, capsys):
+    """Issue 42, failure 3: on Ampere and later GPUs TF32 (on by default) rounds float32
+    matmuls to 10 bits, far beyond the 1e-5 tolerance. The switch is spied on; the
+    reference runner records what it was while training."""
+    switched, seen = [], []
+    real_switch = tf.config.experimental.enable_tensor_float_32_execution
+
+    def spy(enabled):
+        switched.append(enabled)
+        real_switch(enabled)
+
+    def recording(setup, replicas):
+        seen.append(tf.config.experimental.tensor_float_32_execution_enabled())
+        return verify.run_default(setup, replicas)
+
+    monkeypatch.setattr(tf.config.experimental, "enable_tensor_float_32_execution", spy)
+    monkeypatch.setitem(verify.RUNNERS, "default", Runner(recording, default_replicas=1,
+                                                          max_replicas=1))
+    assert tf.config.experimental.tensor_float_32_execution_enabled()  # TensorFlow's default
+    assert verify.main(["--strategies", "default", "--steps", "2", "--hidden-dim", "8",
+                        "--embed-dim", "8", "--clip-norm", "1"]) == 0
+    assert seen == [False, False] and switched == [False, True]  # off, then as it was
+    assert ("I tfpar.tools.verify: TF32 off: float32 matmuls compute in float32 on every GPU "
+            "(the tolerances assume it; Ampere and later GPUs otherwise round them to 10 bits)"
+            in capsys.readouterr().err)

@@ -20,6 +20,7 @@ function trains N steps and returns a :class:`RunResult`. A new strategy adds on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -404,7 +405,8 @@ def multi_worker_task(work: str) -> None:
     with np.load(os.path.join(work, "weights.npz")) as w:
         weights = [w[f"arr_{i}"] for i in range(len(w.files))]
     setup = dataclasses.replace(setup, initial_weights=weights)
-    result = run_plugin(setup, DistConfig(strategy="multi_worker"))
+    with without_tf32():  # as in the parent (verify)
+        result = run_plugin(setup, DistConfig(strategy="multi_worker"))
     if plugin.is_chief:
         np.savez(os.path.join(work, "result.npz"), eval_nll=result.eval_nll,
                  eval_count=result.eval_count, grad_norms=np.array(result.grad_norms),
@@ -522,8 +524,34 @@ def compare(spec: VerifySpec, setup: Setup, name: str, replicas: int, result: Ru
                failures)
 
 
+@contextlib.contextmanager
+def without_tf32():
+    """Float32 matmuls computed in float32 inside the block (TensorFlow's TF32 switch off).
+
+    On Ampere and later GPUs TensorFlow runs float32 matmuls (cuDNN's RNN included) in TF32
+    by default: inputs rounded to 10 mantissa bits, a relative error near 5e-4, fifty times
+    the float32 tolerance, and each strategy sums differently rounded products. The
+    :data:`TOLERANCES` were measured where no TF32 exists (CPUs), for the float32 parts of
+    every precision alike; on CPUs the switch changes nothing.
+    """
+    was = tf.config.experimental.tensor_float_32_execution_enabled()
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+    try:
+        yield
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(was)
+
+
 def verify(spec: VerifySpec) -> tuple[Setup, list[Row]]:
     """Runs ``default`` and every strategy of ``spec``; returns the rows of the report."""
+    log.info("TF32 off: float32 matmuls compute in float32 on every GPU (the tolerances "
+             "assume it; Ampere and later GPUs otherwise round them to 10 bits)")
+    with without_tf32():
+        return verify_all(spec)
+
+
+def verify_all(spec: VerifySpec) -> tuple[Setup, list[Row]]:
+    """:func:`verify`'s runs, TF32 already off."""
     setup = build_setup(spec)
     log.info("clip-norm %.4g%s", setup.clip_norm,
              " (auto: the median gradient norm of the first --steps batches)" if setup.clip_norm_auto else "")

@@ -1,0 +1,46 @@
+"""scripts/quality_matrix.py: both tools get the same token streams, and its table."""
+
+import pytest
+
+from conftest import load_script
+
+matrix = load_script("quality_matrix")
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    for folder, pattern in (("ptb", "ptb.{}.txt"), ("wikitext-2", "wiki.{}.tokens")):
+        (tmp_path / folder).mkdir()
+        for split in ("train", "valid", "test"):
+            (tmp_path / folder / pattern.format(split)).write_text(
+                " the cat sat \n\n = Heading = \n a  b\n", encoding="utf-8")
+    return tmp_path
+
+
+def test_corpora_are_stripped_lines_without_blanks_and_characters_are_tokens(data_dir,
+                                                                               tmp_path):
+    words = matrix.write_corpus(data_dir, "wt2-words", tmp_path / "out")
+    assert (words / "valid.txt").read_text() == "the cat sat\n= Heading =\na  b\n"
+    chars = matrix.write_corpus(data_dir, "ptb-chars", tmp_path / "out")
+    assert (chars / "train.txt").read_text().splitlines() == [
+        "t h e _ c a t _ s a t", "= _ H e a d i n g _ =", "a _ _ b"]
+
+
+def test_the_table_averages_seeds_and_gives_bits_per_character():
+    results = [dict(row="ptb-chars", tool="tfpar", seed=s, valid_ppl=v, test_ppl=v,
+                    seconds=10.0) for s, v in ((0, 4.0), (1, 2.0))]
+    line = matrix.table(results).splitlines()[-1]
+    assert line == "| ptb-chars | tfpar | 0,1 | 3.00 | 2.00 | 3.00 | 1.585 | 10 |"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--rows", "ptb-nope"], "unknown row 'ptb-nope'; rows: ptb-words, "),
+    (["--torch-example", "/nonexistent"], "--torch-example /nonexistent holds no main.py"),
+])
+def test_bad_arguments_are_one_line(extra, message, data_dir, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        matrix.main(["--data", str(data_dir), "--torch-python", "python",
+                     "--torch-example", str(data_dir)] + extra)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
