@@ -191,6 +191,46 @@ def test_generate_rejects_negative_arguments(exported, kwargs, message):
 
 
 # ----------------------------------------------------------------------------- loading
+def saved_op_types(path) -> set:
+    """Every op type in a SavedModel's graph and its functions (the signatures' bodies)."""
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    saved = saved_model_pb2.SavedModel()
+    with open(os.path.join(path, "saved_model.pb"), "rb") as f:
+        saved.ParseFromString(f.read())
+    graph = saved.meta_graphs[0].graph_def
+    return {n.op for n in graph.node} | {n.op for f in graph.library.function
+                                         for n in f.node_def}
+
+
+def test_an_export_traced_on_a_gpu_has_no_cudnn_op_and_serves_without_a_gpu(tmp_path,
+                                                                              monkeypatch):
+    """Issue 42, failure 4: the export traces with no device set, where a layer asks
+    whether TensorFlow sees a GPU; CudnnRNNV3 has GPU kernels only, so a signature traced
+    with it on a GPU host could not be served on CPUs. "On a GPU": TensorFlow's logical
+    GPU list patched (what tfpar's runs_on_gpu and Keras' cudnn_ok ask)."""
+    vocab = Vocab.build(LINES)
+    config = small_config(tmp_path)
+    real = tf.config.list_logical_devices
+    fake_gpu = [tf.config.LogicalDevice("/device:GPU:0", "GPU")]
+    with monkeypatch.context() as on_a_gpu:
+        on_a_gpu.setattr(tf.config, "list_logical_devices",
+                         lambda kind=None: fake_gpu if kind == "GPU" else real(kind))
+        model = build_model(config.model, len(vocab), seed=1)
+        train_like = tf.function(lambda ids: model(ids, training=True)).get_concrete_function(
+            tf.TensorSpec([None, None], tf.int32))
+        assert "CudnnRNNV3" in {op.type for op in train_like.graph.get_operations()}
+        path = export.export_model(model, vocab, config.run)
+    assert not [op for op in saved_op_types(path) if op.startswith("Cudnn")]
+    loaded = tf.saved_model.load(path)  # and no GPU (this host has none)
+    ids = tf.constant([[2, 3, 4, 0], [2, 5, 6, 7]])
+    np.testing.assert_allclose(
+        loaded.signatures["serving_default"](token_ids=ids)["log_probs"].numpy(),
+        tf.nn.log_softmax(model(ids)[0]).numpy(), atol=1e-6)
+    assert loaded.signatures["score"](text=tf.constant(["the cat sat"]))["tokens"].numpy() \
+        .tolist() == [4]
+
+
 def test_resolve_saved_model_takes_a_version_or_the_highest_version(exported, tmp_path):
     path = exported[4]
     name_dir = os.path.dirname(path)

@@ -33,9 +33,10 @@ through ``keras``' TensorFlow backend ``lstm``/``gru``, what ``keras.layers.LSTM
 with ``use_cudnn="auto"``): one fused kernel for the whole sequence, several times faster
 than any while-loop recurrence on a GPU. Where the layer runs decides (:func:`runs_on_gpu`:
 the device its ops are placed on, so a tower pinned to ``/cpu:0`` on a GPU host keeps the
-fast CPU recurrence). Weight drop passes the dropped recurrent matrix, stream mode's
-carried state goes in as the initial state, and a sentence batch's mask is right-padded
-(cuDNN's rule); a row with no token at all (an empty shard's padding) has its first step
+fast CPU recurrence); the SavedModel export traces the fast recurrence on every device
+(:func:`portable_recurrence`: cuDNN's op has no CPU kernel). Weight drop passes the
+dropped recurrent matrix, stream mode's carried state goes in as the initial state, and
+a sentence batch's mask is right-padded (cuDNN's rule); a row with no token at all (an empty shard's padding) has its first step
 unmasked for cuDNN, which refuses an empty sequence: its outputs are padding positions,
 which the loss weighs 0. At padding positions cuDNN outputs zeros where Keras repeats
 the previous output; the loss over real tokens is the same. When Keras' backend declines
@@ -47,6 +48,9 @@ with AMX/AVX512-BF16 and changes results at the ~1e-2 relative level.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import keras
 import tensorflow as tf
@@ -361,6 +365,32 @@ def _dropped(layer, sequences, training):
     return sequences * mask[:, None, :]
 
 
+# True inside portable_recurrence(): no layer traces the cuDNN op, whatever its device.
+_PORTABLE = contextvars.ContextVar("tfpar_portable_recurrence", default=False)
+
+
+@contextlib.contextmanager
+def portable_recurrence():
+    """Layers traced inside the block take the fast recurrence on every device.
+
+    ``CudnnRNNV3`` has GPU kernels only: a graph traced with it runs on GPUs and nowhere
+    else. The SavedModel export (:mod:`tfpar.serving.export`) traces its signatures in
+    here, so a model exported on a GPU host is served on CPUs too (and on GPUs, with the
+    while-loop recurrence).
+    """
+    token = _PORTABLE.set(True)
+    try:
+        yield
+    finally:
+        _PORTABLE.reset(token)
+
+
+def takes_cudnn(probe: tf.Tensor) -> bool:
+    """Whether a layer whose weight is ``probe`` traces Keras' cuDNN path: on a GPU
+    (:func:`runs_on_gpu`), outside :func:`portable_recurrence`."""
+    return not _PORTABLE.get() and runs_on_gpu(probe)
+
+
 def runs_on_gpu(probe: tf.Tensor) -> bool:
     """Whether the op that produced ``probe`` runs on a GPU: by its device (the placement
     scope while tracing a graph, where it ran when eager), or, with none given, whether
@@ -420,7 +450,7 @@ class _FastRecurrence:
         args = (_dropped(self, sequences, training), list(initial_state), mask, kernel,
                 recurrent_kernel, _value(cell.bias))
         low = self.compute_dtype if self.compute_dtype != "float32" else None
-        if self.matmul_dtype is None and runs_on_gpu(kernel):
+        if self.matmul_dtype is None and takes_cudnn(kernel):
             try:
                 if low is None:
                     return self._cudnn(*args)

@@ -55,6 +55,7 @@ from tfpar.config import RunConfig
 from tfpar.errors import CheckpointError
 from tfpar.objective.output import output_loss
 from tfpar.objective.losses import token_mask
+from tfpar.model.layers import portable_recurrence
 from tfpar.model.lm import build_model
 from tfpar.data.vocab import EOS_ID, PAD_ID, UNK_ID, Vocab
 
@@ -207,7 +208,10 @@ def export_model(model, vocab: Vocab, run: RunConfig) -> str:
                                      os.path.join(staging, "vocab.txt"),
                                      tokenizer=vocab.tokenizer)
         out = os.path.join(staging, "model")
-        tf.saved_model.save(module, out, signatures=module.signatures())
+        # The signatures are traced here, with no device set: on a GPU host the layers
+        # would bake in cuDNN's op, which has no CPU kernel. Trained on GPUs, served on CPUs.
+        with portable_recurrence():
+            tf.saved_model.save(module, out, signatures=module.signatures())
         final = _rename_to_next_version(out, base)
     except (OSError, tf.errors.OpError) as e:
         raise CheckpointError(
