@@ -97,10 +97,11 @@ def test_verify_parallel_passes_on_the_gpus_with_tf32_off(capsys):
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_mixed_precision_trains_on_the_gpus_with_cudnn_in_16_bits(tmp_path, policy):
-    """The policy's cuDNN kernel runs in the 16-bit type; mirrored over every GPU trains
-    (mixed_float16 with loss scaling: its skipped steps are reported, not bad batches);
-    verify with the policy's tolerance."""
+def test_mixed_precision_trains_on_the_gpus_with_cudnn_given_16_bit_tensors(tmp_path, policy):
+    """The policy's cuDNN op takes the 16-bit type (its T attribute; TensorFlow's bfloat16
+    kernel then computes in float32 inside, which no attribute shows); mirrored over every
+    GPU trains (mixed_float16 with loss scaling: its skipped steps are reported, not bad
+    batches); verify with the policy's tolerance."""
     from tfpar.tools import verify
 
     config = dataclasses.replace(MODEL, precision=policy)

@@ -7,7 +7,9 @@
   (``keras.DTypePolicy``): every variable float32, the embedding and the RNN layers
   compute in the 16-bit type. The softmax layer keeps float32 output: its product runs
   with 16-bit inputs and the logits, log-softmax and loss are float32. On a GPU the RNN
-  layers run cuDNN in the 16-bit type; on a CPU their fast recurrence keeps its state
+  layers call cuDNN with 16-bit tensors (float16 computes in float16; TensorFlow's
+  bfloat16 cuDNN kernel casts to float32 inside, so mixed_float16 is the policy for RNNs
+  on GPUs); on a CPU their fast recurrence keeps its state
   and gate arithmetic in float32 around 16-bit matmuls (``tfpar.model.layers``), and the
   recurrent state carried between stream windows is float32 everywhere.
   ``mixed_float16`` adds dynamic loss scaling (``keras.optimizers.LossScaleOptimizer``):
