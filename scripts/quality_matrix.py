@@ -54,8 +54,9 @@ ROWS = {
     "ptb-words-sentence": ("ptb-words", "lstm", False, "sentence"),
 }
 SOURCES = {"ptb": ("ptb", "ptb.{}.txt"), "wt2": ("wikitext-2", "wiki.{}.tokens")}
-TORCH_VALID = re.compile(r"end of epoch\s+1 \| time:\s*([\d.]+)s \| valid loss\s+([\d.]+)")
-TORCH_TEST = re.compile(r"End of training \| test loss\s+([\d.]+)")
+# The example's last lines; its perplexities have two decimals (its losses only two too).
+TORCH_VALID = re.compile(r"end of epoch\s+1 \|.*valid ppl\s+([\d.]+)")
+TORCH_TEST = re.compile(r"End of training \|.*test ppl\s+([\d.]+)")
 
 
 def char_tokens(line: str) -> str:
@@ -109,8 +110,8 @@ def run_torch(python: str, example: Path, corpus: Path, row: tuple, seed: int,
     out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
     (work / "stdout.log").write_text(out)
     valid, test = TORCH_VALID.search(out), TORCH_TEST.search(out)
-    return {"valid_ppl": math.exp(float(valid.group(2))),
-            "test_ppl": math.exp(float(test.group(1))), "seconds": time.time() - start}
+    return {"valid_ppl": float(valid.group(1)), "test_ppl": float(test.group(1)),
+            "seconds": time.time() - start}
 
 
 def table(results: list[dict]) -> str:

@@ -44,3 +44,10 @@ def test_bad_arguments_are_one_line(extra, message, data_dir, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_the_peers_perplexities_are_read_from_its_own_lines():
+    out = ("| end of epoch   1 | time: 271.86s | valid loss  5.38 | valid ppl   216.50\n"
+           "| End of training | test loss  5.37 | test ppl   214.10\n")
+    assert matrix.TORCH_VALID.search(out).group(1) == "216.50"
+    assert matrix.TORCH_TEST.search(out).group(1) == "214.10"
