@@ -51,3 +51,12 @@ def test_other_usage_errors_are_one_line_too(capsys):
         run(COMMANDS["tfpar-evaluate"], ["stray"], prog="tfpar-evaluate")
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "usage:" not in err, err
+
+
+def test_a_value_that_starts_with_dashes_and_holds_a_space_is_a_value():
+    """argparse takes "--forget-bias 1" (one argument) as a value, not as a flag."""
+    from tfpar.tools.parsing import Parser
+
+    p = Parser(prog="x")
+    p.add_argument("--extra", default="")
+    assert p.parse_args(["--extra", "--forget-bias 1"]).extra == "--forget-bias 1"

@@ -31,7 +31,8 @@ class Parser(argparse.ArgumentParser):
         # it, though the unknown one is often the required one mistyped.
         known = self._option_strings()
         unknown = [a for a in args[:args.index("--") if "--" in args else len(args)]
-                   if a.startswith("--") and len(a) > 2 and a.split("=", 1)[0] not in known]
+                   if a.startswith("--") and len(a) > 2 and not any(c.isspace() for c in a)
+                   and a.split("=", 1)[0] not in known]  # "--x 1" is a value (argparse too)
         if unknown:
             self.error(self.unrecognized(unknown))
         parsed, extra = self.parse_known_args(args, namespace)
