@@ -189,6 +189,15 @@ def test_a_reference_that_ends_at_an_epoch_end_before_max_steps(tmp_path, monkey
         == "final evaluation (valid + test)"
 
 
+def test_epoch_end_steps_are_read_from_the_runs_metrics_jsonl(tmp_path):
+    """A reference run's epoch ends: the steps of its metrics.jsonl lines (TensorBoard's
+    eval run has no epoch counter, and a run ending mid-epoch adds a valid point)."""
+    assert faults.epoch_end_steps(str(tmp_path)) == []  # no epoch finished
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 1, "step": 38}\n'
+                                            '{"epoch": 2, "step": 76}\n')
+    assert faults.epoch_end_steps(str(tmp_path)) == [38, 76]
+
+
 def test_killed_runs_resume_exactly(tmp_path, capsys):
     """One round in stream mode (the carried state must resume too), killed twice: the
     run at a moment drawn from [0, T], then its relaunch; run again, it ends

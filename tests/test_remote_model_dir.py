@@ -18,7 +18,7 @@ import tensorflow as tf
 from conftest import assert_resumed_from, load_script, small_config
 from tfpar.serving import export
 from tfpar.errors import CheckpointError, ConfigError
-from tfpar.training import checkpoints
+from tfpar.training import checkpoints, hparams
 from tfpar.training.checkpoints import WriterLock
 
 
@@ -61,9 +61,13 @@ def test_a_run_on_ram_trains_resumes_exports_and_logs(tiny_args, ram_root, tmp_p
     assert metrics["steps"] == 5 and metrics["model_dir"] == f"{ram_root}/run"
 
     run = f"{ram_root}/run"
-    assert {os.path.basename(p) for p in tf.io.gfile.glob(f"{run}/*")} == {
+    names = {os.path.basename(p) for p in tf.io.gfile.glob(f"{run}/*")}
+    sessions = {f for f in names if f.startswith("events.out.tfevents.")}
+    assert names - sessions == {
         "config.json", "vocab.txt", "checkpoints", "best", "metrics.jsonl", "train", "eval",
         "final_step.json"}  # the end of the run, for a side-car evaluator
+    # The HParams session, written by the first run only.
+    assert len(sessions) == 1 and hparams.recorded(run)["batch_size"] == 64
     (line,) = tf.io.gfile.GFile(f"{run}/metrics.jsonl").read().splitlines()
     assert (json.loads(line)["epoch"], json.loads(line)["step"]) == (1, 5)
     for events in ("train", "eval"):  # one file per run

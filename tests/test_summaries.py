@@ -1,6 +1,7 @@
 """tfpar.training.summaries: what goes into the event files, per step and per epoch."""
 
 import glob
+import json
 import math
 import os
 import random
@@ -9,11 +10,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import model_config, small_config
+from conftest import PINNED, model_config, small_config
 from tfpar.objective import step as steps
 from tfpar.objective.output import output_loss
 
-from tfpar.training import summaries
+from tfpar.training import hparams, summaries
 from tfpar.data.pipeline import InputData
 from tfpar.model.lm import build_model
 from tfpar.data.vocab import Vocab
@@ -64,10 +65,10 @@ def test_scalars_text_and_histograms_land_in_their_runs_at_their_steps(tmp_path)
 
 def test_a_diverged_runs_perplexity_past_float32_range_is_written(tmp_path):
     writer = summaries.Writer(str(tmp_path))
-    writer.scalars("eval", {"final_test_perplexity": 5.9e38, "inf": math.inf}, step=3)
+    writer.scalars("eval", {"perplexity": 5.9e38, "inf": math.inf}, step=3)
     writer.close()
     evals = read_events(tmp_path / "eval")
-    assert evals["final_test_perplexity"] == [(3, pytest.approx(5.9e38), "scalars")]
+    assert evals["perplexity"] == [(3, pytest.approx(5.9e38), "scalars")]
     assert evals["inf"][0][1] == math.inf
 
 
@@ -77,10 +78,10 @@ def test_gradient_norms_are_a_histogram_and_one_scalar_per_layer(tmp_path):
                            "rnn_lm/rnn_0/cell/bias": 2.0, "rnn_lm/softmax/kernel": 0.5}, step=4)
     writer.close()
     events = read_events(tmp_path / "train")
-    assert events["gradient_norm/embedding"][0][:2] == (4, pytest.approx(3.0))
-    assert events["gradient_norm/rnn_0"][0][1] == pytest.approx(math.sqrt(5.0))
-    assert events["gradient_norm/softmax"][0][1] == pytest.approx(0.5)
-    step, histogram, plugin = events["gradient_norms"][0]
+    assert events["gradients/embedding"][0][:2] == (4, pytest.approx(3.0))
+    assert events["gradients/rnn_0"][0][1] == pytest.approx(math.sqrt(5.0))
+    assert events["gradients/softmax"][0][1] == pytest.approx(0.5)
+    step, histogram, plugin = events["gradients/variable_norms"][0]
     assert (step, plugin) == (4, "histograms")
     assert histogram[:, 2].sum() == pytest.approx(4)  # four variables counted
 
@@ -91,6 +92,8 @@ def test_a_process_that_is_not_the_chief_writes_and_profiles_nothing(tmp_path, s
     model = build_model(setup[0].model, len(setup[1]))
     writer.scalars("train", {"loss": 1.0}, step=1)
     writer.text("train", "config", "x")
+    writer.session({"lr": 1.0})
+    writer.results([("test perplexity", "9.00")], step=1)
     writer.end_epoch(model, step=1)
     step_fn = lambda batch: batch  # noqa: E731
     assert writer.instrument(step_fn, lambda: 1, (1, 2)) is step_fn
@@ -212,14 +215,125 @@ def test_close_stops_a_profiler_the_run_did_not_reach_the_end_of(tmp_path, monke
     assert [e[0] for e in log] == ["start", "stop"]
 
 
-def test_without_epoch_inspection_an_epoch_end_writes_no_norms_or_samples(tiny_args, tmp_path):
+@pytest.fixture(scope="module")
+def short_run(module_tiny_corpus, tmp_path_factory):
+    """A 25-step run of the tiny corpus (its epochs are 19 steps): an epoch end at step
+    19, then the run ends mid-epoch 2. Returns (model dir, metrics)."""
+    from tfpar.tools.cli import train_main
+
+    tmp = tmp_path_factory.mktemp("short-run")
+    assert train_main(["--data", str(module_tiny_corpus), *PINNED, "--embed-dim", "16",
+                       "--hidden-dim", "16", "--batch-size", "16", "--epochs", "2",
+                       "--max-steps", "25", "--no-progress", "--no-export",
+                       "--model-dir", str(tmp / "run"),
+                       "--metrics-json", str(tmp / "metrics.json")]) == 0
+    return tmp / "run", json.loads((tmp / "metrics.json").read_text())
+
+
+def session_events(model_dir) -> dict:
+    """The HParams summaries in a model dir's root: {"settings": {name: value},
+    "experiment": api_pb2.Experiment, "files": count}."""
+    from tensorboard.plugins.hparams import metadata
+
+    paths = glob.glob(os.path.join(str(model_dir), "events.out.tfevents.*"))
+    out = {"files": len(paths), "sessions": 0}
+    for path in paths:
+        for event in events_up_to_a_cut(path):
+            for value in event.summary.value:
+                content = value.metadata.plugin_data.content
+                if value.tag == metadata.SESSION_START_INFO_TAG:
+                    info = metadata.parse_session_start_info_plugin_data(content)
+                    out["sessions"] += 1
+                    out["group"] = info.group_name
+                    out["settings"] = {k: getattr(v, v.WhichOneof("kind"))
+                                       for k, v in info.hparams.items()}
+                elif value.tag == metadata.EXPERIMENT_TAG:
+                    out["experiment"] = metadata.parse_experiment_plugin_data(content)
+    return out
+
+
+def events_up_to_a_cut(path):
+    try:
+        yield from tf.compat.v1.train.summary_iterator(path)
+    except tf.errors.DataLossError:
+        return
+
+
+def test_a_runs_scalars_are_grouped_and_none_is_a_one_point_chart(short_run):
+    """Per step: perplexity, loss, optimizer/, speed/, gradients/ (no flat grad_norm,
+    learning_rate, tokens_per_sec); eval: the valid perplexity of the epoch end and of
+    the last weights, no epoch counter and no final_* scalar; the final figures are a
+    text table."""
+    model_dir, metrics = short_run
+    train, evals = read_events(model_dir / "train"), read_events(model_dir / "eval")
+    scalars = {run: {t for t, e in events.items() if e[0][2] == "scalars"}
+               for run, events in (("train", train), ("eval", evals))}
+    assert scalars == {"train": {"perplexity", "loss", "optimizer/learning_rate",
+                                 "speed/tokens_per_sec", "gradients/global_norm"},
+                       "eval": {"perplexity"}}
+    assert [step for step, _, _ in train["perplexity"]] == [1, 10, 20]
+    assert [step for step, _, _ in evals["perplexity"]] == [19, 25]  # epoch end, the end
+    assert float(evals["perplexity"][-1][1]) == pytest.approx(metrics["valid_ppl"], rel=1e-6)
+    (step, table, plugin), = evals["results"]
+    table = table.item().decode()
+    assert (step, plugin) == (25, "text")
+    for row in (f"| valid perplexity | {metrics['valid_ppl']:.2f} |",
+                f"| test perplexity | {metrics['test_ppl']:.2f} |",
+                "| weights | last (step 25, mid-epoch) |", "| epochs trained | 1 |",
+                "| steps | 25 |"):
+        assert row in table
+
+
+def test_a_run_records_its_settings_once_for_the_hparams_dashboard(short_run):
+    model_dir, metrics = short_run
+    session = session_events(model_dir)
+    assert (session["files"], session["sessions"]) == (1, 1)
+    assert session["group"] == "run"  # the model dir's name: one row per run
+    settings = session["settings"]
+    assert {k: settings[k] for k in ("strategy", "replicas", "cell", "layers", "embed_dim",
+                                     "hidden_dim", "optimizer", "batch_size", "epochs",
+                                     "dropout", "tie_embeddings", "mode", "precision")} == {
+        "strategy": "default", "replicas": 1, "cell": "lstm", "layers": 1, "embed_dim": 16,
+        "hidden_dim": 16, "optimizer": "adam", "batch_size": 16, "epochs": 2, "dropout": 0,
+        "tie_embeddings": False, "mode": "sentence", "precision": "fp32"}
+    assert settings["lr"] == pytest.approx(3e-3)
+    assert "bptt" not in settings  # sentence mode: no window length
+    assert set(settings) | {"bptt", "num_sampled"} == {c[0] for c in hparams.COLUMNS}
+    experiment = session["experiment"]
+    assert sorted(h.name for h in experiment.hparam_infos) == sorted(
+        c[0] for c in hparams.COLUMNS)
+    assert [(m.name.group, m.name.tag, m.display_name) for m in experiment.metric_infos] == [
+        ("eval", "perplexity", "valid perplexity"), ("train", "perplexity", "train perplexity")]
+
+
+def test_a_resumed_run_keeps_the_first_session_and_says_what_changed(tmp_path, caplog):
+    """One session per model dir: a second writer (a resumed run) writes none and names
+    the settings it changes. A session file cut short by a kill is no session: the next
+    run writes one."""
+    first, killed = tmp_path / "first", tmp_path / "killed"
+    summaries.Writer(str(first)).session({"lr": 0.5, "cell": "lstm", "tie_embeddings": True})
+    (written,) = glob.glob(str(first / "events.out.tfevents.*"))
+    cut = open(written, "rb").read()[:30]  # inside the first record
+    killed.mkdir()
+    for folder in (first, killed):
+        (folder / "events.out.tfevents.0.cut.hparams").write_bytes(cut)  # read first
+    with caplog.at_level("INFO"):
+        summaries.Writer(str(first)).session({"lr": 0.25, "cell": "lstm",
+                                              "tie_embeddings": True})
+    assert hparams.recorded(str(first)) == {"lr": 0.5, "cell": "lstm", "tie_embeddings": True}
+    assert session_events(first)["sessions"] == 1
+    assert "this run changes lr 0.5 -> 0.25" in caplog.text
+    assert hparams.recorded(str(killed)) is None
+    summaries.Writer(str(killed)).session({"lr": 0.25})
+    assert hparams.recorded(str(killed)) == {"lr": 0.25}
+
+
+def test_without_epoch_inspection_an_epoch_end_writes_no_norms_or_samples(short_run):
     """--no-epoch-inspection (the suite's runs, see conftest.NO_INSPECTION): an epoch's
     end writes the weight histograms but neither the gradient norms nor text samples;
     with it on (the default) tests/test_tensorboard.py reads the samples back."""
-    from tfpar.tools.cli import train_main
-
-    assert "--no-epoch-inspection" in tiny_args
-    assert train_main(tiny_args + ["--max-steps", "0", "--no-export"]) == 0
-    tags = read_events(tmp_path / "run" / "train")
-    assert [t for t in tags if t == "samples" or t.startswith("gradient_norm")] == []
+    assert "--no-epoch-inspection" in PINNED
+    tags = read_events(short_run[0] / "train")
+    assert [t for t in tags if t == "samples" or t.startswith("gradients/") and
+            t != "gradients/global_norm"] == []
     assert [t for t in tags if tags[t][0][2] == "histograms"]

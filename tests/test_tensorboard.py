@@ -1,7 +1,9 @@
-"""The real TensorBoard serves a training run: scalars, histograms, text, graph.
+"""The real TensorBoard serves a training run: scalars, histograms, text, graph, HParams.
 
-Starts ``.venv/bin/tensorboard`` against a tiny run's model dir and reads everything back
-over its HTTP API, so what is checked is what a person would see.
+Starts ``.venv/bin/tensorboard`` on the folder that holds a tiny run's model dir (as
+``tensorboard --logdir runs/``: the model dir ``run`` is an HParams session, its runs are
+``run/train`` and ``run/eval``) and reads everything back over its HTTP API, so what is
+checked is what a person would see.
 """
 
 import contextlib
@@ -40,8 +42,13 @@ def tensorboard(logdir: str):
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
 
-    def get(path: str, raw: bool = False):
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+    def get(path: str, raw: bool = False, post: dict | None = None):
+        """GET ``path``, or POST the JSON ``post`` to it (the HParams plugin's API)."""
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}{path}",
+            data=None if post is None else json.dumps(post).encode(),
+            headers={} if post is None else {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as r:
             body = r.read().decode("utf-8")
         return body if raw else json.loads(body)
 
@@ -56,14 +63,17 @@ def tensorboard(logdir: str):
             proc.wait()
 
 
+TRAIN, EVAL = "run/train", "run/eval"  # the model dir "run"'s two runs
+
+
 def wait_for(proc, get) -> None:
     """Polls until the server answers and has loaded both runs (bounded tries)."""
     for _ in range(POLL_TRIES):
         try:
-            if {"train", "eval"} <= set(get("/data/runs")):
+            if {TRAIN, EVAL} <= set(get("/data/runs")):
                 tags = get("/data/plugin/scalars/tags")
-                if "perplexity" in tags.get("eval", {}) and "samples" in get(
-                        "/data/plugin/text/tags").get("train", []):
+                if "perplexity" in tags.get(EVAL, {}) and "samples" in get(
+                        "/data/plugin/text/tags").get(TRAIN, []):
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
@@ -79,55 +89,88 @@ def q(**params) -> str:
     return urllib.parse.urlencode(params)
 
 
-def test_tensorboard_serves_scalars_histograms_text_graph_and_a_profile(tiny_args, tmp_path):
+def test_tensorboard_serves_scalars_histograms_text_graph_hparams_and_a_profile(tiny_args,
+                                                                             tmp_path):
     # One full epoch (no --max-steps), so the per-epoch summaries are written too.
     assert train_main(tiny_args + ["--max-steps", "0", "--profile-steps", "2,3",
                                    "--log-every", "5", "--epoch-inspection"]) == 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     run_dir = str(tmp_path / "run")
 
-    with tensorboard(run_dir) as (get, ready):
+    with tensorboard(str(tmp_path)) as (get, ready):
         ready()
-        assert {"train", "eval"} <= set(get("/data/runs"))
+        assert {TRAIN, EVAL} <= set(get("/data/runs"))
 
+        # Grouped tags; no chart of one point (no epoch counter, no final_* scalar).
         tags = get("/data/plugin/scalars/tags")
-        assert {"loss", "perplexity", "tokens_per_sec", "learning_rate", "grad_norm",
-                "gradient_norm/embedding", "gradient_norm/rnn_0",
-                "gradient_norm/softmax"} <= set(tags["train"])
-        assert {"perplexity", "final_test_perplexity"} <= set(tags["eval"])
+        assert set(tags[TRAIN]) == {
+            "perplexity", "loss", "optimizer/learning_rate", "speed/tokens_per_sec",
+            "gradients/global_norm", "gradients/embedding", "gradients/rnn_0",
+            "gradients/softmax"}
+        assert set(tags[EVAL]) == {"perplexity"}  # train's and valid's on one chart
 
-        train_ppl = get("/data/plugin/scalars/scalars?" + q(run="train", tag="perplexity"))
-        train_loss = get("/data/plugin/scalars/scalars?" + q(run="train", tag="loss"))
+        train_ppl = get("/data/plugin/scalars/scalars?" + q(run=TRAIN, tag="perplexity"))
+        train_loss = get("/data/plugin/scalars/scalars?" + q(run=TRAIN, tag="loss"))
         steps = [step for _, step, _ in train_ppl]
         assert steps[:3] == [1, 5, 10] and steps == sorted(steps)
         for (_, _, ppl), (_, _, loss) in zip(train_ppl, train_loss):
             assert ppl == pytest.approx(math.exp(loss), rel=1e-5)
-        speed = get("/data/plugin/scalars/scalars?" + q(run="train", tag="tokens_per_sec"))
+        speed = get("/data/plugin/scalars/scalars?" + q(run=TRAIN, tag="speed/tokens_per_sec"))
         assert all(value > 0 for _, _, value in speed)
-        eval_ppl = get("/data/plugin/scalars/scalars?" + q(run="eval", tag="perplexity"))
+        eval_ppl = get("/data/plugin/scalars/scalars?" + q(run=EVAL, tag="perplexity"))
         assert len(eval_ppl) == 1
         assert eval_ppl[0][1] == metrics["steps"]
         # One epoch and no more training: the epoch's valid perplexity is the final one.
         assert eval_ppl[0][2] == pytest.approx(metrics["valid_ppl"], rel=1e-5)
 
-        histograms = get("/data/plugin/histograms/tags")["train"]
-        assert "gradient_norms" in histograms
+        histograms = get("/data/plugin/histograms/tags")[TRAIN]
+        assert "gradients/variable_norms" in histograms
         assert "weights/rnn_lm/rnn_0/lstm_cell/kernel" in histograms
-        norms = get("/data/plugin/histograms/histograms?" + q(run="train", tag="gradient_norms"))
+        norms = get("/data/plugin/histograms/histograms?" + q(run=TRAIN,
+                                                               tag="gradients/variable_norms"))
         assert len(norms) == 1 and norms[0][1] == metrics["steps"]
         assert sum(bucket[2] for bucket in norms[0][2]) == pytest.approx(6)  # 6 variables
 
-        assert {"config", "samples"} <= set(get("/data/plugin/text/tags")["train"])
-        samples = get("/data/plugin/text/text?" + q(run="train", tag="samples"))
+        text = get("/data/plugin/text/tags")
+        assert {"config", "samples"} <= set(text[TRAIN]) and text[EVAL] == ["results"]
+        samples = get("/data/plugin/text/text?" + q(run=TRAIN, tag="samples"))
         assert samples[0]["step"] == metrics["steps"]
         for prefix in ("sample 1: ", "sample 2: ", "sample 3: ", "greedy: ["):
             assert prefix in samples[0]["text"]
+        (results,) = get("/data/plugin/text/text?" + q(run=EVAL, tag="results"))
+        assert "<table>" in results["text"]  # the markdown table, rendered
+        assert f"<td>{metrics['test_ppl']:.2f}</td>" in results["text"]
 
-        graphs = get("/data/plugin/graphs/info")["train"]["tags"]
+        graphs = get("/data/plugin/graphs/info")[TRAIN]["tags"]
         assert graphs["train_step"]["op_graph"] is True
-        graph = get("/data/plugin/graphs/graph?" + q(run="train", tag="train_step"), raw=True)
+        graph = get("/data/plugin/graphs/graph?" + q(run=TRAIN, tag="train_step"), raw=True)
         # The loss is in it: the fused output layer (the default) under its name scope.
         assert "fused_softmax_nll" in graph
+
+        # HParams: the experiment's columns, and the session "run" with its settings
+        # and its valid perplexity (the last point of run/eval's perplexity).
+        experiment = get("/data/plugin/hparams/experiment", post={"experimentName": ""})
+        assert [(m["name"], m["displayName"]) for m in experiment["metricInfos"]] == [
+            ({"group": "eval", "tag": "perplexity"}, "valid perplexity"),
+            ({"group": "train", "tag": "perplexity"}, "train perplexity")]
+        columns = {h["name"]: h["type"] for h in experiment["hparamInfos"]}
+        assert (columns["lr"], columns["cell"], columns["tie_embeddings"]) == (
+            "DATA_TYPE_FLOAT64", "DATA_TYPE_STRING", "DATA_TYPE_BOOL")
+        (group,) = get("/data/plugin/hparams/session_groups", post={
+            "experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN"],
+            "colParams": [{"hparam": name, "includeInResult": True} for name in columns] +
+            [{"metric": m["name"], "includeInResult": True}
+             for m in experiment["metricInfos"]],
+            "startIndex": 0, "sliceSize": 10})["sessionGroups"]
+        assert group["name"] == "run" and [s["name"] for s in group["sessions"]] == ["run"]
+        assert {k: group["hparams"][k] for k in ("strategy", "cell", "layers", "embed_dim",
+                                                 "batch_size", "optimizer")} == {
+            "strategy": "default", "cell": "lstm", "layers": 1, "embed_dim": 16,
+            "batch_size": 16, "optimizer": "adam"}
+        valid = {(m["name"]["group"], m["name"]["tag"]): m for m in group["metricValues"]}
+        assert valid["eval", "perplexity"]["value"] == pytest.approx(metrics["valid_ppl"],
+                                                                   rel=1e-6)
+        assert valid["eval", "perplexity"]["trainingStep"] == metrics["steps"]
 
     traces = glob.glob(os.path.join(run_dir, "train", "plugins", "profile", "*", "*.xplane.pb"))
     assert len(traces) == 1

@@ -351,14 +351,13 @@ def read_metrics(path: str) -> dict:
 
 
 def epoch_end_steps(model_dir: str) -> list[int]:
-    """The steps at which a (reference) run finished an epoch, from its eval events."""
-    tf = _tensorflow()
-    steps = set()
-    for path in glob.glob(os.path.join(model_dir, "eval", "events.out.tfevents.*")):
-        for event in tf.compat.v1.train.summary_iterator(path):
-            if any(v.tag == "epoch" for v in event.summary.value):
-                steps.add(int(event.step))
-    return sorted(steps)
+    """The steps at which a (reference) run finished an epoch, from its
+    ``metrics.jsonl`` (a line per finished epoch, tfpar.training.loop.EPOCH_METRICS)."""
+    try:
+        with open(os.path.join(model_dir, "metrics.jsonl"), encoding="utf-8") as f:
+            return sorted({int(json.loads(line)["step"]) for line in f if line.strip()})
+    except FileNotFoundError:  # no epoch finished
+        return []
 
 
 # ------------------------------------------------------------------------------- phases

@@ -11,6 +11,8 @@ import time
 
 import keras
 
+from tfpar.training import summaries
+
 log = logging.getLogger(__name__)
 
 
@@ -52,9 +54,10 @@ class SummaryHook:
     def __call__(self, r: Record) -> None:
         if r.crossed(self.every):
             self.writer.scalars("train", {
-                "loss": r.loss, "perplexity": math.exp(min(r.loss, 50.0)),
-                "tokens_per_sec": r.tokens_per_sec, "learning_rate": r.learning_rate,
-                "grad_norm": r.grad_norm,
+                summaries.PERPLEXITY: math.exp(min(r.loss, 50.0)), summaries.LOSS: r.loss,
+                summaries.LEARNING_RATE: r.learning_rate,
+                summaries.TOKENS_PER_SEC: r.tokens_per_sec,
+                summaries.GLOBAL_NORM: r.grad_norm,
             }, r.step)
 
 

@@ -25,6 +25,7 @@ import tensorflow as tf
 from tfpar.model.precision import loss_scaled
 from tfpar.objective.losses import perplexity
 from tfpar.parallel.rows import replica_batches
+from tfpar.training import summaries
 from tfpar.training.carry import StreamCarry
 from tfpar.training.hooks import CheckpointHook, ProgressHook, Record, SummaryHook, wall_time
 from tfpar.training.nonfinite import (NonFinitePolicy, is_finite, keeps_state,
@@ -351,7 +352,7 @@ class Loop:
                 "seconds": elapsed})
         best = self.select(epoch, ppl)  # (after the line above: its rate is the epoch's)
         self.check_early_stop()
-        self.writer.scalars("eval", {"perplexity": ppl, "epoch": epoch + 1}, self.step)
+        self.writer.scalars("eval", {summaries.PERPLEXITY: ppl}, self.step)
         self.writer.end_epoch(self.state.model, self.step)
         self.last_epoch_batches = int(self.state.batch_in_epoch.numpy())
         self.state.epoch.assign(epoch + 1)

@@ -17,7 +17,8 @@ plug-in, not a change here. A run:
    signal checkpoints and ends the run (exit 130), under multi_worker on every worker
    after the same step (exit 75, ``tfpar.training.preemption``);
 5. records the last step (``final_step.json``, the side-car evaluator's end), evaluates
-   test, exports a SavedModel and writes the metrics JSON.
+   test, writes the final figures to TensorBoard (``tfpar.training.summaries``), exports
+   a SavedModel and writes the metrics JSON.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from tfpar.parallel.registry import ASYNCHRONOUS, build_strategy
 from tfpar.parallel import parameter_server
 from tfpar.parallel.cluster import tf_config
 from tfpar.serving import export
-from tfpar.training import checkpoints, sidecar, summaries
+from tfpar.training import checkpoints, hparams, sidecar, summaries
 from tfpar.training.hooks import on_terminal
 from tfpar.training.async_loop import AsyncLoop
 from tfpar.training.loop import Loop, evaluate
@@ -239,6 +240,7 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
         checkpoints.clear_final_step(model_dir)  # an earlier end: this run trains on
     writer = summaries.Writer(model_dir, plugin.is_chief)
     writer.config_text(config)
+    writer.session(hparams.settings(config, plugin.num_replicas))  # once per model dir
     if config.run.epoch_inspection:  # per-epoch gradient norms, text samples
         writer.enable_inspection(config, vocab, data)
 
@@ -273,12 +275,16 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
     # time; None when no step ran), and how long the corpus and the vocabulary took.
     metrics.update(timings, first_step_time=progress.first_step_time)
     metrics["stopped_early"] = loop.stopped_early
-    final = metrics["final_weights"] = _final_weights(config, plugin, data, state, ckpt,
-                                                      eval_step, loop.valid_at)
+    last = _last_weights(config, plugin, data, state, eval_step, loop.valid_at)
+    if loop.valid_at is None or loop.valid_at[0] != last_step:
+        # A run that ends mid-epoch: the valid curve ends at its last weights too, so its
+        # last point (the HParams dashboard's valid perplexity) is theirs.
+        writer.scalars("eval", {summaries.PERPLEXITY: last["valid_ppl"]}, last_step)
+    final = metrics["final_weights"] = _final_weights(config, state, ckpt, last)
     metrics["valid_ppl"] = final["valid_ppl"]  # measured on the weights now in the model
     nll, count = evaluate(plugin, eval_step, data, "test", config.train.global_eval_batch_size)
     metrics["test_ppl"] = perplexity(nll, count)
-    writer.scalars("eval", {"final_test_perplexity": metrics["test_ppl"]}, last_step)
+    writer.results(_result_rows(metrics, epochs=int(state.epoch.numpy())), last_step)
     if config.run.export and plugin.is_chief:
         metrics["export_path"] = export.export_model(state.model, vocab, config.run)
     _report(metrics)
@@ -288,27 +294,32 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
     return metrics
 
 
-def _final_weights(config: Config, plugin, data: InputData, state, ckpt,
-                   eval_step, valid_at=None) -> dict[str, Any]:
-    """Chooses the weights the final evaluation and the export use, and says which.
-
-    ``--final-weights best``: the best epoch-end state by valid perplexity
-    (``<model_dir>/best``) when it beats the last weights' valid perplexity (restored
-    into ``state``); otherwise the last weights (the latest checkpoint). ``last``: the
-    last weights. Returns ``{"kind": "best"|"last", "epoch", "step", "valid_ppl"}``:
-    "best" when the weights are the kept best epoch's (epoch 0: the last weights are
-    not an epoch end's). ``valid_at``: (step, nll, tokens) of the last epoch end's valid
-    evaluation, reused when training ended there (evaluation is deterministic).
-    """
-    selection = state.selection
+def _last_weights(config: Config, plugin, data: InputData, state, eval_step,
+                  valid_at=None) -> dict[str, Any]:
+    """The valid perplexity of the weights in ``state`` (the last):
+    ``{"kind": "last", "epoch", "step", "valid_ppl"}`` (epoch 0: the weights are not an
+    epoch end's). ``valid_at``: (step, nll, tokens) of the last epoch end's valid
+    evaluation, reused when training ended there (evaluation is deterministic)."""
     if valid_at is not None and valid_at[0] == state.step:
         nll, count = valid_at[1:]
     else:
         nll, count = evaluate(plugin, eval_step, data, "valid",
                               config.train.global_eval_batch_size)
-    last_ppl, last_step = perplexity(nll, count), state.step
     epoch = int(state.epoch.numpy()) if int(state.batch_in_epoch.numpy()) == 0 else 0
-    last = {"kind": "last", "epoch": epoch, "step": last_step, "valid_ppl": last_ppl}
+    return {"kind": "last", "epoch": epoch, "step": state.step,
+            "valid_ppl": perplexity(nll, count)}
+
+
+def _final_weights(config: Config, state, ckpt, last: dict[str, Any]) -> dict[str, Any]:
+    """Chooses the weights the final evaluation and the export use, and says which.
+
+    ``--final-weights best``: the best epoch-end state by valid perplexity
+    (``<model_dir>/best``) when it beats ``last``, the last weights
+    (:func:`_last_weights`; restored into ``state``); otherwise the last weights (the
+    latest checkpoint). ``last``: the last weights. Returns ``{"kind": "best"|"last",
+    "epoch", "step", "valid_ppl"}``: "best" when the weights are the kept best epoch's.
+    """
+    selection = state.selection
     if config.run.final_weights != "best":
         return last
     best = {"kind": "best", "epoch": int(selection.best_epoch.numpy()),
@@ -316,12 +327,13 @@ def _final_weights(config: Config, plugin, data: InputData, state, ckpt,
             "valid_ppl": float(selection.best_valid_ppl.numpy())}
     if not best["epoch"]:  # no epoch has ended
         return last
-    if best["step"] == last_step:
+    if best["step"] == last["step"]:
         return dict(last, kind="best")  # the last epoch end is the best: kept already
-    if best["valid_ppl"] < last_ppl:
+    if best["valid_ppl"] < last["valid_ppl"]:
         ckpt.restore_best()
         log.info("final weights: the best, epoch %d (step %d, valid ppl %.2f; the last "
-                 "weights': %.2f)", best["epoch"], best["step"], best["valid_ppl"], last_ppl)
+                 "weights': %.2f)", best["epoch"], best["step"], best["valid_ppl"],
+                 last["valid_ppl"])
         return best
     return last
 
@@ -367,6 +379,26 @@ def _report(metrics: dict[str, Any]) -> None:
     if metrics.get("tokens_per_sec"):
         log.info("throughput: %.0f tokens/s over %d steps", metrics["tokens_per_sec"],
                  metrics["steps"])
+
+
+def _result_rows(metrics: dict[str, Any], *, epochs: int) -> list[tuple[str, str]]:
+    """The final figures for TensorBoard's text tab: ``(name, value)`` rows."""
+    rows = [(f"{name} perplexity", f"{metrics[key]:.2f}") for name, key in (
+        ("valid", "valid_ppl"), ("test", "test_ppl"), ("train", "train_ppl"),
+        ("oracle valid", "oracle_valid_ppl"), ("oracle test", "oracle_test_ppl"),
+        ("unigram valid", "unigram_valid_ppl")) if isinstance(metrics.get(key), float)]
+    final = metrics["final_weights"]
+    at = f"epoch {final['epoch']}, step {final['step']}" if final["epoch"] else \
+        f"step {final['step']}, mid-epoch"
+    rows += [("weights", f"{final['kind']} ({at})"), ("epochs trained", str(epochs)),
+             ("steps", str(metrics["steps"]))]
+    if metrics.get("tokens_per_sec"):
+        rows.append(("tokens per second", f"{metrics['tokens_per_sec']:,.0f}"))
+    if metrics.get("skipped_batches"):
+        rows.append(("skipped batches (non-finite)", str(metrics["skipped_batches"])))
+    if metrics.get("stopped_early"):
+        rows.append(("stopped early", "yes (--early-stop)"))
+    return rows
 
 
 def _write_json(path: str, metrics: dict[str, Any]) -> None:

@@ -10,8 +10,8 @@ tfpar process given it, with the run's own flags, does not train. It:
    the checkpoints still kept when it falls behind, oldest first;
 3. computes the valid perplexity as training does (``tfpar.training.loop.evaluate``, on
    this process's default strategy) and writes it as the TensorBoard scalar
-   ``valid_perplexity`` under ``<model-dir>/eval_sidecar`` at the checkpoint's step, plus
-   a log line;
+   ``perplexity`` under ``<model-dir>/eval_sidecar`` at the checkpoint's step (drawn in
+   the ``perplexity`` chart beside the train and eval runs' lines), plus a log line;
 4. ends after the checkpoint of the run's last step: the chief writes
    ``<model-dir>/final_step.json`` once it has trained and checkpointed that step
    (``tfpar.training.checkpoints.write_final_step``; not on a stop signal or an error,
@@ -35,7 +35,7 @@ from tfpar.data.vocab import VOCAB_FILE, Vocab
 from tfpar.errors import CheckpointError, ClusterError
 from tfpar.objective.losses import perplexity
 from tfpar.parallel.registry import build_strategy
-from tfpar.training import checkpoints, stored
+from tfpar.training import checkpoints, stored, summaries
 from tfpar.training.loop import evaluate
 from tfpar.training.state import build_train_state
 from tfpar.objective.step import make_eval_step
@@ -43,7 +43,7 @@ from tfpar.objective.step import make_eval_step
 log = logging.getLogger(__name__)
 
 RUN = "eval_sidecar"  # <model-dir>/eval_sidecar: its TensorBoard run
-TAG = "valid_perplexity"
+TAG = summaries.PERPLEXITY  # one chart with the train and eval runs' perplexity
 # How often (seconds without a new checkpoint) the evaluator looks for the run's end.
 POLL_SECONDS = 2.0
 

@@ -1,15 +1,24 @@
 """TensorBoard summaries, written in cross-replica context with explicit steps.
 
-Two event folders (TensorBoard "runs") under the model dir::
+Laid out for a person: TensorBoard draws one chart per tag with a line per run, in
+sections named by the tag's part before the first ``/``. The model dir is the session;
+its two event folders are the runs::
 
-    train/  per step:   loss, perplexity, tokens_per_sec, learning_rate, grad_norm
-            per epoch:  weights/<variable> histograms, gradient_norms histogram,
-                        gradient_norm/<layer> scalars, "samples" text
+    <model-dir>/ the session's settings for the HParams dashboard (tfpar.training.hparams)
+    train/  per step:   perplexity, loss, optimizer/learning_rate, speed/tokens_per_sec,
+                        gradients/global_norm
+            per epoch:  weights/<variable> histograms, gradients/variable_norms histogram,
+                        gradients/<layer> scalars, "samples" text
             once:       "config" text, the train-step graph ("train_step"), and with
                         --steps-per-execution N > 1 the N-step loop's ("train_steps")
             --profile-steps A,B: a profiler trace in train/plugins/profile/ (with
                         --steps-per-execution, of the whole calls that hold A..B)
-    eval/   per epoch:  perplexity (valid), epoch; at the end: final_test_perplexity
+    eval/   per epoch:  perplexity (valid; also at the last step when the run ends
+                        mid-epoch); at the end: "results" text (the final metrics table)
+
+``perplexity`` is one chart: train and valid overlaid. Nothing is a chart of one point:
+the epoch count and the once-per-run figures (test perplexity, the final weights) are in
+the "results" table and the HParams dashboard.
 
 Processes that are not the chief write nothing (and profile nothing).
 
@@ -19,11 +28,12 @@ without dropout) at the end-of-epoch weights, computed on a copy of the model th
 outside any strategy. That works the same under every strategy plug-in (no plug-in's step
 has to return more, no extra all-reduce or device-to-host copy per step), and the fixed
 batch makes the values comparable from epoch to epoch. The global norm of every *training*
-step is the per-step ``grad_norm`` scalar. The same copy generates the text samples.
+step is the per-step ``gradients/global_norm`` scalar. The same copy generates the text
+samples.
 
-This module is the event writer; the inspection (``tfpar.training.inspector``) and the
-graph and profiler hooks around the step functions (``tfpar.training.profiling``) are
-modules of their own.
+This module is the event writer; the inspection (``tfpar.training.inspector``), the
+graph and profiler hooks around the step functions (``tfpar.training.profiling``) and
+the HParams session (``tfpar.training.hparams``) are modules of their own.
 """
 
 from __future__ import annotations
@@ -35,11 +45,22 @@ from typing import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tfpar.training import hparams
 from tfpar.training.inspector import EpochInspector
 from tfpar.training.profiling import CallHooks, StepHooks
 
 log = logging.getLogger(__name__)
 RUNS = ("train", "eval")
+
+# Scalar tags (see the module docstring). A tag's part before "/" is its section.
+PERPLEXITY = "perplexity"  # train and eval: one chart, two lines
+LOSS = "loss"  # train: the logged step's mean token loss (its call's, N steps per call)
+LEARNING_RATE = "optimizer/learning_rate"
+TOKENS_PER_SEC = "speed/tokens_per_sec"
+GLOBAL_NORM = "gradients/global_norm"  # every step's, before clipping
+GRADIENTS = "gradients/"  # + a layer: its norm on the fixed batch, per epoch
+NORMS_HISTOGRAM = "gradients/variable_norms"  # every variable's, per epoch
+RESULTS = "results"  # eval: the final metrics, a markdown table
 
 
 class Writer:
@@ -79,6 +100,17 @@ class Writer:
     def config_text(self, config) -> None:
         self.text("train", "config", "```\n" + config.to_json() + "\n```")
 
+    def session(self, settings: dict[str, bool | int | float | str]) -> None:
+        """The run's ``settings`` (:func:`tfpar.training.hparams.settings`) for the HParams
+        dashboard, in the model dir's root; once per model dir (a resumed run finds them)."""
+        if self.active:
+            hparams.write_session(self.model_dir, settings)
+
+    def results(self, rows: Sequence[tuple[str, str]], step: int) -> None:
+        """The run's final figures, ``(name, value)`` rows, as a table in the eval run."""
+        table = ["| | |", "|---|---|"] + [f"| {name} | {value} |" for name, value in rows]
+        self.text("eval", RESULTS, "\n".join(table), step)
+
     def histograms(self, model, step: int) -> None:
         writer = self._writers.get("train")
         if writer is None:
@@ -100,9 +132,9 @@ class Writer:
             layer = path.split("/")[1] if "/" in path else path
             per_layer[layer] = per_layer.get(layer, 0.0) + norm ** 2
         with writer.as_default(step=step):
-            tf.summary.histogram("gradient_norms", np.array(list(norms.values()), np.float32))
+            tf.summary.histogram(NORMS_HISTOGRAM, np.array(list(norms.values()), np.float32))
             for layer, square in per_layer.items():
-                tf.summary.scalar("gradient_norm/" + layer, square ** 0.5)
+                tf.summary.scalar(GRADIENTS + layer, square ** 0.5)
 
     # -- hooks called by the training loop
     def enable_inspection(self, config, vocab, data) -> None:
