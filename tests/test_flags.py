@@ -128,7 +128,7 @@ def test_lr_decay_decay_after_and_warmup_steps(tmp_path):
     assert train_main(run_args(warm, *SGD, "--lr", str(LR * WARMUP), "--warmup-steps",
                                str(WARMUP), "--max-steps", "2")) == 0
 
-    per_step = read_scalars(decay / "run" / "train", "optimizer/learning_rate")
+    per_step = read_scalars(decay / "run" / "train", "update/learning_rate")
     assert sorted(per_step) == list(range(1, 11))
     assert [per_step[s] for s in range(1, 11)] == pytest.approx([LR] * 8 + [LR * DECAY] * 2)
     lines = [json.loads(x) for x in (decay / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -150,7 +150,7 @@ def test_lr_decay_decay_after_and_warmup_steps(tmp_path):
                                    rtol=1e-3, atol=1e-6, err_msg=name)
     # The summary of step s holds the rate step s used (not the optimizer's rate after
     # it, step s + 1's: 0.2 and 0.3 here).
-    logged = read_scalars(warm / "run" / "train", "optimizer/learning_rate")
+    logged = read_scalars(warm / "run" / "train", "update/learning_rate")
     assert sorted(logged) == [1, 2]
     assert [logged[1], logged[2]] == pytest.approx([LR, 2 * LR])  # 0.4 x 1/4, 0.4 x 2/4
 

@@ -78,10 +78,10 @@ def test_gradient_norms_are_a_histogram_and_one_scalar_per_layer(tmp_path):
                            "rnn_lm/rnn_0/cell/bias": 2.0, "rnn_lm/softmax/kernel": 0.5}, step=4)
     writer.close()
     events = read_events(tmp_path / "train")
-    assert events["gradients/embedding"][0][:2] == (4, pytest.approx(3.0))
-    assert events["gradients/rnn_0"][0][1] == pytest.approx(math.sqrt(5.0))
-    assert events["gradients/softmax"][0][1] == pytest.approx(0.5)
-    step, histogram, plugin = events["gradients/variable_norms"][0]
+    assert events["update/gradient_norm/embedding"][0][:2] == (4, pytest.approx(3.0))
+    assert events["update/gradient_norm/rnn_0"][0][1] == pytest.approx(math.sqrt(5.0))
+    assert events["update/gradient_norm/softmax"][0][1] == pytest.approx(0.5)
+    step, histogram, plugin = events["update/variable_gradient_norms"][0]
     assert (step, plugin) == (4, "histograms")
     assert histogram[:, 2].sum() == pytest.approx(4)  # four variables counted
 
@@ -260,16 +260,21 @@ def events_up_to_a_cut(path):
 
 
 def test_a_runs_scalars_are_grouped_and_none_is_a_one_point_chart(short_run):
-    """Per step: perplexity, loss, optimizer/, speed/, gradients/ (no flat grad_norm,
-    learning_rate, tokens_per_sec); eval: the valid perplexity of the epoch end and of
-    the last weights, no epoch counter and no final_* scalar; the final figures are a
-    text table."""
+    """Per step: perplexity, loss, speed/, update/ (no flat grad_norm, learning_rate,
+    tokens_per_sec); eval: the valid perplexity of the epoch end and of the last
+    weights, no epoch counter and no final_* scalar; the final figures are a text table.
+    TensorBoard opens on the curves: its Time Series tab sorts the sections (a tag's
+    part before "/") by name and opens the first two, which are loss and perplexity."""
     model_dir, metrics = short_run
     train, evals = read_events(model_dir / "train"), read_events(model_dir / "eval")
     scalars = {run: {t for t, e in events.items() if e[0][2] == "scalars"}
                for run, events in (("train", train), ("eval", evals))}
-    assert scalars == {"train": {"perplexity", "loss", "optimizer/learning_rate",
-                                 "speed/tokens_per_sec", "gradients/global_norm"},
+    charted = {t for events in (train, evals) for t, e in events.items()
+               if e[0][2] in ("scalars", "histograms", "images")}
+    sections = sorted({t.split("/", 1)[0] for t in charted})
+    assert sections[:2] == ["loss", "perplexity"], sections
+    assert scalars == {"train": {"perplexity", "loss", "update/learning_rate",
+                                 "speed/tokens_per_sec", "update/gradient_norm"},
                        "eval": {"perplexity"}}
     assert [step for step, _, _ in train["perplexity"]] == [1, 10, 20]
     assert [step for step, _, _ in evals["perplexity"]] == [19, 25]  # epoch end, the end
@@ -334,6 +339,6 @@ def test_without_epoch_inspection_an_epoch_end_writes_no_norms_or_samples(short_
     with it on (the default) tests/test_tensorboard.py reads the samples back."""
     assert "--no-epoch-inspection" in PINNED
     tags = read_events(short_run[0] / "train")
-    assert [t for t in tags if t == "samples" or t.startswith("gradients/") and
-            t != "gradients/global_norm"] == []
+    assert [t for t in tags if t == "samples" or t.startswith("update/gradient_norm/") or
+            t == "update/variable_gradient_norms"] == []
     assert [t for t in tags if tags[t][0][2] == "histograms"]

@@ -104,9 +104,9 @@ def test_tensorboard_serves_scalars_histograms_text_graph_hparams_and_a_profile(
         # Grouped tags; no chart of one point (no epoch counter, no final_* scalar).
         tags = get("/data/plugin/scalars/tags")
         assert set(tags[TRAIN]) == {
-            "perplexity", "loss", "optimizer/learning_rate", "speed/tokens_per_sec",
-            "gradients/global_norm", "gradients/embedding", "gradients/rnn_0",
-            "gradients/softmax"}
+            "perplexity", "loss", "speed/tokens_per_sec", "update/learning_rate",
+            "update/gradient_norm", "update/gradient_norm/embedding",
+            "update/gradient_norm/rnn_0", "update/gradient_norm/softmax"}
         assert set(tags[EVAL]) == {"perplexity"}  # train's and valid's on one chart
 
         train_ppl = get("/data/plugin/scalars/scalars?" + q(run=TRAIN, tag="perplexity"))
@@ -124,10 +124,10 @@ def test_tensorboard_serves_scalars_histograms_text_graph_hparams_and_a_profile(
         assert eval_ppl[0][2] == pytest.approx(metrics["valid_ppl"], rel=1e-5)
 
         histograms = get("/data/plugin/histograms/tags")[TRAIN]
-        assert "gradients/variable_norms" in histograms
+        assert "update/variable_gradient_norms" in histograms
         assert "weights/rnn_lm/rnn_0/lstm_cell/kernel" in histograms
-        norms = get("/data/plugin/histograms/histograms?" + q(run=TRAIN,
-                                                               tag="gradients/variable_norms"))
+        norms = get("/data/plugin/histograms/histograms?" + q(
+            run=TRAIN, tag="update/variable_gradient_norms"))
         assert len(norms) == 1 and norms[0][1] == metrics["steps"]
         assert sum(bucket[2] for bucket in norms[0][2]) == pytest.approx(6)  # 6 variables
 

@@ -5,10 +5,10 @@ sections named by the tag's part before the first ``/``. The model dir is the se
 its two event folders are the runs::
 
     <model-dir>/ the session's settings for the HParams dashboard (tfpar.training.hparams)
-    train/  per step:   perplexity, loss, optimizer/learning_rate, speed/tokens_per_sec,
-                        gradients/global_norm
-            per epoch:  weights/<variable> histograms, gradients/variable_norms histogram,
-                        gradients/<layer> scalars, "samples" text
+    train/  per step:   perplexity, loss, speed/tokens_per_sec, update/learning_rate,
+                        update/gradient_norm
+            per epoch:  weights/<variable> histograms, update/variable_gradient_norms
+                        histogram, update/gradient_norm/<layer> scalars, "samples" text
             once:       "config" text, the train-step graph ("train_step"), and with
                         --steps-per-execution N > 1 the N-step loop's ("train_steps")
             --profile-steps A,B: a profiler trace in train/plugins/profile/ (with
@@ -28,7 +28,7 @@ without dropout) at the end-of-epoch weights, computed on a copy of the model th
 outside any strategy. That works the same under every strategy plug-in (no plug-in's step
 has to return more, no extra all-reduce or device-to-host copy per step), and the fixed
 batch makes the values comparable from epoch to epoch. The global norm of every *training*
-step is the per-step ``gradients/global_norm`` scalar. The same copy generates the text
+step is the per-step ``update/gradient_norm`` scalar. The same copy generates the text
 samples.
 
 This module is the event writer; the inspection (``tfpar.training.inspector``), the
@@ -53,13 +53,17 @@ log = logging.getLogger(__name__)
 RUNS = ("train", "eval")
 
 # Scalar tags (see the module docstring). A tag's part before "/" is its section.
+# TensorBoard's Time Series tab (its first) sorts the sections by name and opens only the
+# first two: "loss" and "perplexity" must sort first, so every other section's name
+# comes after "perplexity" (a "gradients/" or "optimizer/" section would open instead
+# and leave perplexity collapsed; tests/test_summaries.py checks the order).
 PERPLEXITY = "perplexity"  # train and eval: one chart, two lines
 LOSS = "loss"  # train: the logged step's mean token loss (its call's, N steps per call)
-LEARNING_RATE = "optimizer/learning_rate"
 TOKENS_PER_SEC = "speed/tokens_per_sec"
-GLOBAL_NORM = "gradients/global_norm"  # every step's, before clipping
-GRADIENTS = "gradients/"  # + a layer: its norm on the fixed batch, per epoch
-NORMS_HISTOGRAM = "gradients/variable_norms"  # every variable's, per epoch
+LEARNING_RATE = "update/learning_rate"  # the rate the step used
+GLOBAL_NORM = "update/gradient_norm"  # every step's global norm, before clipping
+GRADIENTS = "update/gradient_norm/"  # + a layer: its norm on the fixed batch, per epoch
+NORMS_HISTOGRAM = "update/variable_gradient_norms"  # every variable's, per epoch
 RESULTS = "results"  # eval: the final metrics, a markdown table
 
 
