@@ -19,6 +19,7 @@ import urllib.request
 
 import pytest
 
+from conftest import load_script
 from tfpar.tools.cli import train_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -196,3 +197,15 @@ def test_steps_per_execution_writes_the_loop_graph_and_profiles_its_calls(tiny_a
     assert b"While" in event.tensor_proto.string_val[0]  # the loop over the iterator
     traces = glob.glob(os.path.join(run_dir, "train", "plugins", "profile", "*", "*.xplane.pb"))
     assert len(traces) == 1
+
+
+def test_the_screenshot_script_names_a_missing_browser_before_it_trains(tmp_path, capsys):
+    """scripts/tensorboard_screenshot.py (tfpar/docs/tensorboard.png): without Chromium
+    it says so in one line and exits 1, before any training."""
+    script = load_script("tensorboard_screenshot")
+    assert script.main(["--chromium", "no-such-browser", "--keep", str(tmp_path / "shot"),
+                        "--out", str(tmp_path / "tb.png")]) == 1
+    assert capsys.readouterr().err == (
+        "error: no browser 'no-such-browser': install Chromium with `apt-get install -y "
+        "chromium`, or give --chromium PATH\n")
+    assert not (tmp_path / "shot").exists() and not (tmp_path / "tb.png").exists()
