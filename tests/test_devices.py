@@ -173,3 +173,21 @@ def test_memory_growth_after_tensorflow_started_is_one_warning_not_a_failure(mon
         "WARNING", "GPU memory growth not set: TensorFlow had started before tfpar configured "
         "the GPUs, so they keep TensorFlow's setting (nearly all memory mapped at start unless "
         "TF_FORCE_GPU_ALLOW_GROWTH=true was set before it started)")]
+
+
+# ---------------------------------------------------------------- placement options
+def test_the_placement_log_set_after_tensorflow_started_keeps_soft_placement():
+    """TensorFlow 2.21: setting the placement log once the runtime has started (this test
+    process's has: tests/conftest.py) turns the runtime's soft placement off, while
+    ``tf.config.get_soft_device_placement()`` still says True; an op placed on a GPU it
+    has no kernel for (or, here, on a GPU this host lacks) then fails. Found by the GPU
+    suite's start-up under a faked GPU (tests/test_gpu_startup.py): its first mirrored
+    run could not create a variable on /device:GPU:0."""
+    import tensorflow as tf
+
+    tf.config.set_soft_device_placement(True)
+    devices.set_placement_options(log_placement=False, soft_placement=None)
+    assert tf.config.get_soft_device_placement() is True
+    with tf.device("/gpu:0"):  # no such device: soft placement puts it on the CPU
+        variable = tf.Variable(1.0)
+    assert variable.device.endswith("/device:CPU:0")

@@ -60,6 +60,22 @@ def batch(rows=32, steps=35, seed=0):
             rng.integers(1, V, size=(rows, steps)).astype(np.int32))
 
 
+def test_a_two_step_run_starts_after_the_suite_started_tensorflow(tmp_path):
+    """The suite's start-up: tests/conftest.py has started TensorFlow (its logical CPU
+    devices) before the first ``train_main`` reaches configure_gpus, where memory growth
+    can no longer be set (issue 42, failure 2: that was a RuntimeError, it is a warning).
+    Two steps, tiny: ``make test`` runs this test alone with a faked GPU
+    (tests/test_gpu_startup.py, tests/gpu/fake_gpu.py)."""
+    metrics = tmp_path / "m.json"
+    assert train_main(["--strategy", "mirrored", "--synthetic-sentences", "64,16,16", *PINNED,
+                       "--embed-dim", "16", "--hidden-dim", "16",
+                       "--batch-size", str(8 * len(GPUS)), "--max-steps", "2",
+                       "--no-progress", "--no-export", "--model-dir", str(tmp_path / "run"),
+                       "--metrics-json", str(metrics)]) == 0
+    m = json.loads(metrics.read_text())
+    assert m["replicas"] == len(GPUS) and m["steps"] == 2
+
+
 def test_the_cudnn_kernel_is_in_the_traced_train_step():
     with tf.device("/gpu:0"):
         model = build_model(MODEL, V, seed=0)

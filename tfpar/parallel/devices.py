@@ -211,8 +211,13 @@ def set_placement_options(*, log_placement: bool, soft_placement: bool | None) -
     """TensorFlow's placement log and soft placement (``allow_soft_placement`` in TF1;
     None leaves TensorFlow's setting, on by default)."""
     tf.debugging.set_log_device_placement(log_placement)
-    if soft_placement is not None:
-        tf.config.set_soft_device_placement(soft_placement)
+    # Set once TensorFlow's runtime has started (a notebook, the GPU suite after its
+    # conftest, a second run in one process), the placement log turns the runtime's soft
+    # placement off while tf.config.get_soft_device_placement() still says on (TF 2.21):
+    # an op with no GPU kernel placed on a GPU would then fail. Setting soft placement
+    # after the log puts the runtime back in step with what TensorFlow reports.
+    tf.config.set_soft_device_placement(
+        tf.config.get_soft_device_placement() if soft_placement is None else soft_placement)
 
 
 def data_parallel_devices(dist, default_count: int = 2) -> list[str]:
