@@ -9,6 +9,9 @@ recurrence placed on the same GPU.
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -16,10 +19,14 @@ import pytest
 import tensorflow as tf
 
 from conftest import PINNED, model_config
+from test_export import WITHOUT_TFPAR, saved_op_types
+from test_precision import loss_scale_run
 from tfpar.model import layers
 from tfpar.model.lm import build_model
 from tfpar.objective.losses import nll_sum_and_count
 from tfpar.tools.cli import train_main
+from tfpar.tools.faults import checkpoint_tensors
+from tfpar.tools.verify import TOLERANCES
 
 pytestmark = pytest.mark.gpu
 GPUS = tf.config.list_logical_devices("GPU")
@@ -141,6 +148,75 @@ def test_mixed_precision_trains_on_the_gpus_with_cudnn_given_16_bit_tensors(tmp_
     n = len(GPUS)  # verify turns TF32 off itself
     assert verify.main(["--precision", policy, "--strategies",
                         f"mirrored:{n},tower:{n}" if n > 1 else "mirrored:1"]) == 0
+
+
+def fp16_run(root, corpus, monkeypatch, steps_per_call):
+    """12 mixed_float16 steps mirrored over every GPU whose first steps overflow (loss
+    scale 2**28, halved by each skipped step: tests/test_precision.py's run); (metrics,
+    checkpoint tensors)."""
+    root.mkdir()
+    args = ["--data", str(corpus), *PINNED, "--embed-dim", "16", "--hidden-dim", "16",
+            "--batch-size", str(8 * len(GPUS)), "--epochs", "50", "--max-steps", "12",
+            "--strategy", "mirrored", "--steps-per-execution", str(steps_per_call),
+            "--checkpoint-every", "0", "--no-progress", "--model-dir", str(root / "run"),
+            "--metrics-json", str(root / "metrics.json")]
+    metrics = loss_scale_run(root, args, monkeypatch, 2.0 ** 28)
+    return metrics, checkpoint_tensors(root / "run")
+
+
+def test_mixed_float16_mirrored_with_several_steps_per_call_trains_what_one_per_call_does(
+        tiny_corpus_dir, tmp_path, monkeypatch):
+    """The GPU default (several steps per tf.function call) under mixed_float16 and
+    mirrored over every GPU: the first steps' loss-scale skips fall inside calls of 5;
+    the run counts them as one step per call does, skips no batch, and ends with the
+    same tensors: counters, integers and the loss scale exactly, the other floats within
+    verify's mixed_float16 tolerance (set on CPUs; GPU reductions need not repeat bit
+    for bit)."""
+    one, want = fp16_run(tmp_path / "one", tiny_corpus_dir, monkeypatch, 1)
+    five, got = fp16_run(tmp_path / "five", tiny_corpus_dir, monkeypatch, 5)
+    for m in (one, five):
+        assert m["steps"] == 12 and m["skipped_batches"] == 0 and m["loss_scale_skips"] >= 3
+    assert five["loss_scale_skips"] == one["loss_scale_skips"]
+    assert sorted(got) == sorted(want)
+    # The steps applied (skipped ones are not), and the scale the skips left: exactly.
+    assert int(got["optimizer/inner_optimizer/_iterations/.ATTRIBUTES/VARIABLE_VALUE"]) == 12
+    exact = {"moments/dynamic_scale/.ATTRIBUTES/VARIABLE_VALUE"}
+    assert exact <= set(want)
+    tolerance = TOLERANCES["mixed_float16"][0]
+    for key, value in want.items():
+        if np.issubdtype(value.dtype, np.floating) and key not in exact:
+            np.testing.assert_allclose(got[key], value, rtol=tolerance, atol=tolerance,
+                                       err_msg=key)
+        else:
+            np.testing.assert_array_equal(got[key], value, err_msg=key)
+    print(f"gpu-check: mixed_float16 mirrored on {len(GPUS)} GPU(s), 5 steps per call: "
+          f"{five['loss_scale_skips']} loss-scale skip(s) as with 1, the same tensors")
+
+
+# A serving process with no GPU: it says so after serving (tests/test_export.py's script).
+NO_GPU = '\nassert not tf.config.list_physical_devices("GPU"), "the child sees a GPU"\n'
+
+
+def test_an_export_trained_on_the_gpus_serves_in_a_fresh_process_without_a_gpu(tiny_args,
+                                                                                tmp_path):
+    """Issue 42, failure 4, on a GPU host: trained mirrored over every GPU and exported,
+    the SavedModel holds no Cudnn* op (GPU kernels only), and a fresh process with
+    CUDA_VISIBLE_DEVICES= (and no tfpar) loads it, scores and generates; its scores equal
+    the same SavedModel's served here on the GPUs."""
+    assert train_main([*tiny_args, "--strategy", "mirrored",
+                       "--batch-size", str(8 * len(GPUS))]) == 0
+    path = json.loads((tmp_path / "metrics.json").read_text())["export_path"]
+    assert not [op for op in saved_op_types(path) if op.startswith("Cudnn")]
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_TFPAR + NO_GPU, path],
+                          capture_output=True, text=True, cwd="/", timeout=600,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "",
+                               "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["tokens"] == [4, 2] and got["text"] == got["again"] and got["modules"] == []
+    here = tf.saved_model.load(path).signatures["score"](text=tf.constant(["w1 w2 w3", "w4"]))
+    np.testing.assert_allclose(got["nll"], here["nll"].numpy(), rtol=1e-5)
+    print(f"gpu-check: an export trained on {len(GPUS)} GPU(s) serves with no GPU visible")
 
 
 @needs(2)
