@@ -56,8 +56,9 @@ class RNNLanguageModel(keras.Model):
         # Each weight its own stream, keyed by (seed, role) (tfpar.model.init).
         def init(role, default="glorot_uniform"):
             return initializer(role, seed=seed, scale=config.init_scale, default=default)
-        # --precision (tfpar.model.precision): a mixed policy makes the embedding and the
-        # RNN layers compute in 16 bits; the softmax layer stays float32 with 16-bit matmul
+        # --precision (tfpar.model.precision): a mixed policy gives the embedding and the
+        # RNN layers 16-bit tensors (cuDNN computes float16 in 16 bits, but its bfloat16
+        # kernel in float32 inside); the softmax layer stays float32 with 16-bit matmul
         # inputs, as do every layer's large matmuls with "bf16".
         policy = dtype_policy(config.precision)
         mixed = {"dtype": policy} if policy is not None else {}
