@@ -82,17 +82,24 @@ def gpu_visible(monkeypatch):
     return calls
 
 
-def loss_and_grads(model, inputs, targets, state=None, device=None):
-    """Mean NLL over the real tokens, its gradients and the final state, traced as a
-    training step is (a tf.function; ``device``: a placement scope around the model)."""
+def training_step(model, inputs, targets, state=None, device=None):
+    """A tf.function traced as a training step is (``device``: a placement scope around
+    the model), returning the mean NLL over the real tokens, the logits [B, T, V], the
+    gradients and the final state."""
     @tf.function
     def run():
         with tf.GradientTape() as tape, tf.device(device):
             logits, final = model(inputs, initial_state=state, training=True)
             nll, count = nll_sum_and_count(logits, targets)
             loss = nll / count
-        return loss, tape.gradient(loss, model.trainable_variables), final
-    return run()
+        return loss, logits, tape.gradient(loss, model.trainable_variables), final
+    return run
+
+
+def loss_and_grads(model, inputs, targets, state=None, device=None):
+    """:func:`training_step`'s loss, gradients and final state."""
+    loss, _, grads, final = training_step(model, inputs, targets, state, device)()
+    return loss, grads, final
 
 
 def make(config=MODEL, seed=0):

@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from test_cudnn import INPUTS, MODEL, TARGETS, V, make  # the CPU emulation test's
+from test_cudnn import INPUTS, MODEL, TARGETS, V, make, training_step  # the CPU emulation test's
 from test_gpu import op_types  # (and test_gpu's skip on a host without a GPU)
-from tfpar.objective.losses import nll_sum_and_count
 from tfpar.tools.verify import without_tf32
 
 pytestmark = pytest.mark.gpu
@@ -35,16 +34,9 @@ STATE = {"rtol": 1e-5, "atol": 1e-6}
 def step_on(model, inputs, targets, state, device):
     """One training step's numbers with the model placed under ``device``: (op types of
     the traced step, logits [B, T, V], gradients, final state as a flat list of [B, H])."""
-    @tf.function
-    def step():
-        with tf.GradientTape() as tape, tf.device(device):
-            logits, final = model(inputs, initial_state=state, training=True)
-            nll, count = nll_sum_and_count(logits, targets)
-            loss = nll / count
-        return logits, tape.gradient(loss, model.trainable_variables), final
-
+    step = training_step(model, inputs, targets, state, device)
     traced = op_types(step.get_concrete_function())
-    logits, grads, final = step()
+    _, logits, grads, final = step()
     return (traced, logits.numpy(), [np.asarray(tf.convert_to_tensor(g)) for g in grads],
             [s.numpy() for s in tf.nest.flatten(final)])
 
