@@ -498,6 +498,8 @@ def test_every_flag_of_every_script_is_in_a_test():
     (lambda: train_config(warmup_steps=-1), "warmup-steps must be >= 0, got -1"),
     (lambda: train_config(clip_norm=-1.0), "clip-norm must be >= 0, got -1.0"),
     (lambda: train_config(max_steps=-1), "max-steps must be >= 0, got -1"),
+    (lambda: train_config(ema_momentum=1.0), "--ema-momentum must be in [0, 1) (0: off; 0.99 "
+     "averages about the last 100 steps), got 1.0"),
     (lambda: train_config(eval_batch_size=-1), "eval-batch-size must be >= 0, got -1"),
     (lambda: cfg.DistConfig(tower_reduce="tree"),
      "unknown tower-reduce 'tree'; expected one of: controller, ring"),
@@ -792,6 +794,7 @@ SPECIAL_VALUES = {
     "scale_lr": (["--scale-lr", "linear"], {"scale_lr": "linear"}),
     "on_nan": (["--on-nan", "skip"], {"on_nan": "skip"}),
     "lr_decay_on_plateau": (["--lr-decay-on-plateau", "0.25"], {"lr_decay_on_plateau": 0.25}),
+    "ema_momentum": (["--ema-momentum", "0.9"], {"ema_momentum": 0.9}),
     "devices": (["--devices", "/cpu:0,/cpu:1"], {"devices": ("/cpu:0", "/cpu:1")}),
     "all_reduce": (["--all-reduce", "nccl"], {"all_reduce": "nccl"}),
     "tower_reduce": (["--tower-reduce", "ring"], {"tower_reduce": "ring"}),

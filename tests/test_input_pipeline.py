@@ -54,9 +54,13 @@ def test_every_line_once_and_padding_low():
     inputs = sorted(tuple(int(t) for t in r if t != PAD_ID)
                     for b in batches for r in b["inputs"].numpy())
     assert inputs == sorted(tuple([EOS_ID] + ids) for ids in reference_ids(lines, data.vocab))
-    real, slots = count_tokens(data.batches("train", training=True, batch_size=16))
+    real, slots = count_tokens(data.batches("train", training=False, batch_size=16))
     assert real == sum(len(ids) + 1 for ids in reference_ids(lines, data.vocab))
     assert (slots - real) / slots < 0.05
+    # Training mixes the buckets' leftovers (one per bucket, here 15 of 125 batches) into
+    # batches of all lengths: padded to their longest, they cost a few points more.
+    real, slots = count_tokens(data.batches("train", training=True, batch_size=16))
+    assert (slots - real) / slots < 0.10
 
 
 def test_sentence_mode_batches_are_full_except_the_epochs_last():
@@ -72,9 +76,7 @@ def test_sentence_mode_batches_are_full_except_the_epochs_last():
         assert sizes[-1] == 2000 - 16 * (len(sizes) - 1)
 
 
-def test_fill_partial_batches_joins_rows_in_order_and_trims_padding():
-    from tfpar.data.pipeline import fill_partial_batches
-
+def _partial_batches():
     def batch(rows, length):
         x = np.zeros([len(rows), length], np.int32)
         for i, r in enumerate(rows):
@@ -83,12 +85,41 @@ def test_fill_partial_batches_joins_rows_in_order_and_trims_padding():
 
     parts = [batch([[1, 2], [3, 4]], 2), batch([[5]], 4), batch([[6, 7, 8]], 3),
              batch([[9, 9], [9, 9]], 2), batch([[10]], 1)]
-    ds = tf.data.Dataset.from_generator(
+    return tf.data.Dataset.from_generator(
         lambda: iter(parts), output_signature={k: tf.TensorSpec([None, None], tf.int32)
                                                for k in ("inputs", "targets")})
-    out = [b["inputs"].numpy().tolist() for b in fill_partial_batches(ds, 2)]
-    # Full batches pass through; [5] and [6 7 8] wait for each other, [10] ends the epoch.
-    assert out == [[[1, 2], [3, 4]], [[5, 0, 0], [6, 7, 8]], [[9, 9], [9, 9]], [[10]]]
+
+
+def test_fill_partial_batches_keeps_partial_rows_for_the_end_and_trims_padding():
+    from tfpar.data.pipeline import fill_partial_batches
+
+    out = [b["inputs"].numpy().tolist() for b in fill_partial_batches(_partial_batches(), 2)]
+    # Full batches pass through; [5], [6 7 8] and [10] end the epoch (unshuffled: in order).
+    assert out == [[[1, 2], [3, 4]], [[9, 9], [9, 9]], [[5, 0, 0], [6, 7, 8]], [[10]]]
+
+
+def test_the_epoch_does_not_end_with_its_longest_sentences():
+    """The buckets' leftovers, flushed shortest bucket first, must not be the epoch's
+    last updates in that order: lr-20 SGD's final weights then think sentences never
+    end (tfpar/docs/quality.md, Sentence ends)."""
+    data = make_data(make_lines(2000, seed=3))
+    lengths = [(b["targets"].numpy() != 0).sum(1)
+               for b in data.batches("train", training=True, batch_size=16)]
+    # Flushed in bucket order, the last batches are each one bucket's rows, the very last
+    # the longest (spreads 1, 2, 4 words); mixed, each holds sentences of many lengths.
+    assert np.mean([x.max() - x.min() for x in lengths[-3:]]) > 5
+
+
+def test_fill_partial_batches_mixes_the_partial_rows_by_the_seed():
+    from tfpar.data.pipeline import fill_partial_batches
+
+    runs = {seed: [b["inputs"].numpy().tolist()
+                   for b in fill_partial_batches(_partial_batches(), 2, seed=seed)]
+            for seed in (0, 0, 1, 2, 3)}
+    rows = lambda out: sorted(tuple(t for t in r if t) for b in out for r in b)  # noqa: E731
+    assert all(rows(out) == rows(runs[0]) for out in runs.values())  # the same rows
+    assert all(out[:2] == [[[1, 2], [3, 4]], [[9, 9], [9, 9]]] for out in runs.values())
+    assert len({str(out) for out in runs.values()}) > 1  # in an order the seed sets
 
 
 def test_shuffle_is_seeded_and_changes_per_epoch():

@@ -120,6 +120,9 @@ def test_sharded_gradients_and_updates_match_unsharded_ones(tmp_path):
     (small_config(model=model_config(precision="mixed_float16")), "--precision mixed_float16: "
      "parameter_server updates variables one by one with the optimizer's update_step, which "
      "has no loss scaling; use --precision mixed_bfloat16"),
+    (small_config(train=train_config(ema_momentum=0.99)), "--ema-momentum 0.99: "
+     "parameter_server updates variables one by one with the optimizer's update_step, which "
+     "keeps no moving average; use a synchronous strategy or --ema-momentum 0"),
     (small_config(train=train_config(steps_per_execution=4)), "--steps-per-execution 4: "
      "parameter_server schedules every step on a worker without waiting for it already; "
      "use --steps-per-execution 1"),

@@ -40,6 +40,9 @@ DEFAULT_NUM_SAMPLED = 8192
 # --forget-bias when an LSTM run does not give it: the forget gate's initial bias. Chosen
 # by one epoch on words and characters beside 1.0 (tfpar/docs/quality.md).
 DEFAULT_FORGET_BIAS = 0.0
+# The weights a run evaluates, keeps and exports: the moving average of its steps' weights
+# with this momentum (tfpar/docs/training.md, Averaged weights; tfpar/docs/quality.md).
+DEFAULT_EMA_MOMENTUM = 0.99
 ALL_REDUCE = ("auto", "nccl", "hierarchical_copy", "reduce_to_one")
 SCALE_LR = ("none", "linear")
 ON_NAN = ("stop", "skip")
@@ -421,6 +424,11 @@ class TrainConfig:
         0.0, "multiply the learning rate by FACTOR after each epoch whose valid perplexity "
         "is not the best so far (0.25: divide by 4, as PyTorch's word_language_model; "
         "0: off)", metavar="FACTOR")
+    ema_momentum: float | None = flag(
+        None, "evaluate, keep as best and export the moving average of the weights, "
+        "avg = M * avg + (1 - M) * w after every update (Keras optimizers' use_ema); "
+        "training goes on from the weights themselves (0: off, the last step's weights; "
+        f"default: {DEFAULT_EMA_MOMENTUM:g}, off under parameter_server)", metavar="M")
 
     def __post_init__(self) -> None:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -435,6 +443,9 @@ class TrainConfig:
         if not 0.0 <= self.lr_decay_on_plateau < 1.0:
             raise ConfigError(f"--lr-decay-on-plateau must be in [0, 1) (0: off; 0.25 divides "
                               f"the rate by 4), got {self.lr_decay_on_plateau}")
+        if self.ema_momentum is not None and not 0.0 <= self.ema_momentum < 1.0:
+            raise ConfigError(f"--ema-momentum must be in [0, 1) (0: off; 0.99 averages "
+                              f"about the last 100 steps), got {self.ema_momentum}")
         _positive("lr", self.lr)
         _positive("lr-decay", self.lr_decay)
         _non_negative("decay-after", self.decay_after)

@@ -271,6 +271,11 @@ class Coordinator:
                               "updates variables one by one with the optimizer's update_step, "
                               "which leaves weight decay out; use a synchronous strategy or "
                               "--weight-decay 0")
+        if config.train.ema_momentum:
+            raise ConfigError(f"--ema-momentum {config.train.ema_momentum:g}: parameter_server "
+                              "updates variables one by one with the optimizer's update_step, "
+                              "which keeps no moving average; use a synchronous strategy or "
+                              "--ema-momentum 0")
         if (config.train.steps_per_execution or 1) > 1:
             raise ConfigError(f"--steps-per-execution {config.train.steps_per_execution}: "
                               "parameter_server schedules every step on a worker without "

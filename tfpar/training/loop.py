@@ -331,8 +331,16 @@ class Loop:
         return False
 
     def end_epoch(self, epoch: int) -> None:
-        nll, count = evaluate(self.plugin, self.eval_step, self.data, "valid",
-                              self.config.train.global_eval_batch_size)
+        with self.state.averaged():  # (the weights a run reports, keeps and exports)
+            nll, count = evaluate(self.plugin, self.eval_step, self.data, "valid",
+                                  self.config.train.global_eval_batch_size)
+            self.report_epoch(epoch, nll, count)
+        self.checkpointer.save(self.step)
+
+    def report_epoch(self, epoch: int, nll: float, count: float) -> None:
+        """Epoch ``epoch``'s end, its valid ``nll`` over ``count`` tokens measured: logs,
+        metrics, model selection (the best checkpoint saved from the weights in the
+        model), summaries; the epoch counters move on."""
         self.valid_at = (self.step, nll, count)
         ppl = perplexity(nll, count)
         began, before = self.epoch_began
@@ -358,9 +366,8 @@ class Loop:
         self.state.epoch.assign(epoch + 1)
         self.state.batch_in_epoch.assign(0)
         self.carry.restart()  # the next epoch starts from zeros
-        if best:  # first: a kill between the two saves repeats the epoch end, both saves
+        if best:  # before the run's own save: a kill between the two repeats the epoch end
             self.checkpointer.save_best(self.step)
-        self.checkpointer.save(self.step)
 
 
 def count_batches(dataset: tf.data.Dataset) -> int:

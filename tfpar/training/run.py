@@ -49,7 +49,7 @@ from tfpar.training import checkpoints, hparams, sidecar, summaries
 from tfpar.training.hooks import on_terminal
 from tfpar.training.async_loop import AsyncLoop
 from tfpar.training.loop import Loop, evaluate
-from tfpar.training.schedule import optimizer_factory
+from tfpar.training.schedule import ema_momentum, optimizer_factory
 from tfpar.training.state import build_train_state, named_weights
 from tfpar.training.stored import checkpoint_path, checkpoint_step, restore_weights, stored_run
 from tfpar.objective.output import output_loss
@@ -227,7 +227,8 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
 
     state = build_train_state(plugin.scope(), config.model, len(vocab), seed=config.train.seed,
                               make_optimizer=optimizer_factory(
-                                  config.train, plugin.num_replicas, config.model.precision),
+                                  config.train, plugin.num_replicas, config.model.precision,
+                                  ema=ema_momentum(config)),
                               fixed_shapes=config.data.mode == "stream",
                               carry_rows=config.train.batch_size
                               if config.data.mode == "stream" and not asynchronous else 0)
@@ -270,6 +271,7 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
     last_step = state.step
     if plugin.is_chief:  # trained and checkpointed to the end (a stop signal raises)
         checkpoints.write_final_step(model_dir, last_step)
+    state.use_averages()  # from here on the model holds the weights the run reports
     metrics = _final_metrics(config, plugin, corpus, vocab, progress, model_dir, last_step)
     # Start-up cost, for the corpus-scaling benchmark: when the first step was done (Unix
     # time; None when no step ran), and how long the corpus and the vocabulary took.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfpar.config import TrainConfig
+from tfpar.config import DEFAULT_EMA_MOMENTUM, Config, TrainConfig
 from tfpar.model.precision import with_loss_scaling
 
 
@@ -64,21 +64,29 @@ def base_learning_rate(train: TrainConfig, num_replicas: int) -> float:
     return train.lr * factor
 
 
-def optimizer_factory(train: TrainConfig, num_replicas: int, precision: str = "fp32"):
+def ema_momentum(config: Config) -> float:
+    """The run's ``--ema-momentum``: as given, else the default (off under
+    parameter_server, whose per-variable updates bypass the optimizer's averaging)."""
+    if config.train.ema_momentum is not None:
+        return config.train.ema_momentum
+    return 0.0 if config.dist.strategy == "parameter_server" else DEFAULT_EMA_MOMENTUM
+
+
+def optimizer_factory(train: TrainConfig, num_replicas: int, precision: str = "fp32",
+                      ema: float = 0.0):
     """``make_optimizer(epoch_variable, lr_scale_variable)`` for
     :func:`tfpar.training.state.build_train_state`: ``train``'s optimizer and schedule,
-    with loss scaling where the model's ``precision`` is mixed_float16."""
+    with loss scaling where the model's ``precision`` is mixed_float16, keeping the
+    moving average of the weights with momentum ``ema`` (0: none; :func:`ema_momentum`)."""
 
     def make(epoch: tf.Variable, lr_scale: tf.Variable) -> keras.optimizers.Optimizer:
         schedule = EpochSchedule(base_learning_rate(train, num_replicas), train.lr_decay,
                                  train.decay_after, train.warmup_steps, epoch, lr_scale)
-        decay = train.weight_decay or None
-        if train.optimizer == "sgd":
-            optimizer = keras.optimizers.SGD(learning_rate=schedule, weight_decay=decay)
-        elif train.optimizer == "adagrad":
-            optimizer = keras.optimizers.Adagrad(learning_rate=schedule, weight_decay=decay)
-        else:
-            optimizer = keras.optimizers.Adam(learning_rate=schedule, weight_decay=decay)
+        kinds = {"sgd": keras.optimizers.SGD, "adagrad": keras.optimizers.Adagrad,
+                 "adam": keras.optimizers.Adam}
+        optimizer = kinds[train.optimizer](learning_rate=schedule,
+                                           weight_decay=train.weight_decay or None,
+                                           use_ema=ema > 0, ema_momentum=ema or 0.99)
         return with_loss_scaling(optimizer, precision)
 
     return make

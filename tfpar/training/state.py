@@ -91,6 +91,33 @@ class TrainState:
             out["optimizer"] = self.optimizer
         return out
 
+    @property
+    def averaging(self) -> bool:
+        """Whether the optimizer keeps a moving average of the weights (--ema-momentum)."""
+        optimizer = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+        return bool(optimizer is not None and optimizer.use_ema)
+
+    def use_averages(self) -> None:
+        """Puts the moving averages of the trainable weights in the model (the weights a
+        run evaluates, keeps as best and exports; Keras' ``finalize_variable_values``)."""
+        if self.averaging:
+            self.optimizer.finalize_variable_values(self.model.trainable_variables)
+
+    @contextlib.contextmanager
+    def averaged(self):
+        """The model holds the averaged weights inside (:meth:`use_averages`), its own
+        (the ones training goes on from) again after; nothing changes without averaging."""
+        if not self.averaging:
+            yield
+            return
+        own = [v.numpy() for v in self.model.trainable_variables]
+        self.use_averages()
+        try:
+            yield
+        finally:
+            for v, value in zip(self.model.trainable_variables, own):
+                v.assign(value)
+
     def store_carry(self, state) -> None:
         """Keeps ``state`` (global form, or None for zeros) as the carried state."""
         for i, layer in enumerate(self.carry):

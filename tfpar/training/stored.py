@@ -77,7 +77,9 @@ def checkpoint_step(path: str) -> int:
 
 def restore_weights(layers: dict, path: str) -> None:
     """Restores the model weights ``layers`` (:func:`tfpar.training.state.named_weights`)
-    from checkpoint ``path``; optimizer slots and counters in it are left unread.
+    from checkpoint ``path``: the run's moving averages of them where it kept some
+    (``--ema-momentum``, the weights it evaluated and exported), else the weights
+    themselves; the rest of the optimizer and the counters are left unread.
 
     Raises:
       CheckpointError: the checkpoint does not hold these weights (another model).
@@ -87,7 +89,18 @@ def restore_weights(layers: dict, path: str) -> None:
     try:
         tf.train.Checkpoint(layers=layers).restore(path) \
             .expect_partial().assert_existing_objects_matched()
+        reader = tf.train.load_checkpoint(path)
+        for name, variable in layers.items():
+            key = average_key(name)
+            if reader.has_tensor(key):
+                variable.assign(reader.get_tensor(key))
     except (AssertionError, ValueError, tf.errors.OpError) as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"checkpoint {path!r} does not fit the model its config.json "
                               f"describes: {reason}") from None
+
+
+def average_key(name: str) -> str:
+    """The checkpoint key of the moving average of weight ``name`` ("rnn_0:lstm_cell:kernel"
+    → the optimizer's slot "rnn_0_lstm_cell_kernel_average", saved under moments/)."""
+    return f"moments/{name.replace(':', '_')}_average/.ATTRIBUTES/VARIABLE_VALUE"
