@@ -9,7 +9,8 @@ Both tools get the same token streams, written here from ``--data`` (``ptb/``,
 peer would predict an ``<eos>`` for each), and for the character rows every character a
 token, a space the token ``_``, one ``<eos>`` per line (both tools add it). The same
 architecture and hyperparameters (PyTorch's defaults: 2x200, bptt 35, batch 20, SGD lr 20,
-clip 0.25, dropout 0.2) and the same tying on each row; one epoch; seeds 0 and 1. Runs go
+clip 0.25, dropout 0.2, the last step's weights) and the same tying on each row; one epoch;
+seeds 0 and 1. Runs go
 one after another, so their wall times compare (the host's speed still drifts).
 
 Prints one line per run and, at the end, the table (markdown) with each row's mean
@@ -41,7 +42,9 @@ COMMON_TORCH = ["--emsize", "200", "--nhid", "200", "--nlayers", "2", "--lr", "2
 COMMON_TFPAR = ["--embed-dim", "200", "--hidden-dim", "200", "--layers", "2", "--lr", "20",
                 "--clip-norm", "0.25", "--bptt", "35", "--batch-size", "20", "--dropout", "0.2",
                 "--epochs", "1", "--optimizer", "sgd", "--no-export", "--no-progress",
-                "--no-epoch-inspection"]
+                "--no-epoch-inspection", "--ema-momentum", "0"]
+# (--ema-momentum 0: the last step's weights, as the peer reports; tfpar's default moving
+# average is measured apart: --tag ema --tfpar-flags '--ema-momentum 0.99'.)
 # name -> (corpus, cell, tied, tfpar mode; None: no PyTorch run).
 ROWS = {
     "ptb-words": ("ptb-words", "lstm", False, "stream"),
