@@ -31,8 +31,10 @@ test: install
 coverage: install
 	$(PY) -m pytest -q -n $(JOBS) --dist worksteal --cov --cov-report=term $(PYTEST_ARGS)
 
-# The GPU suite (tests/gpu): cuDNN in the traced graph, mirrored over every GPU, verify with
-# TF32 off, the pipeline on 2 GPUs, cuDNN's tokens/s against the CPU recurrence's. Where an
+# The GPU suite (tests/gpu): cuDNN in the traced graph, mirrored over every GPU with NCCL, a
+# killed run resumed exactly, verify with TF32 off, the pipeline on 2 GPUs, tokens/s (cuDNN
+# against the CPU recurrence; mirrored on 1 and every GPU); it ends with a report to paste
+# into an issue (tfpar/docs/gpu.md, "The report"). Where an
 # NVIDIA GPU is expected (tfpar.parallel.host.gpus_expected, the check training makes) the
 # gpu extra (TensorFlow's CUDA and cuDNN libraries) is installed first. tests/gpu/check.py
 # then runs the suite where TensorFlow sees a GPU, fails with one line naming what is

@@ -16,6 +16,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 GPU_SUITE = os.environ.get("TFPAR_GPU_TESTS") == "1"
 if not GPU_SUITE:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before TensorFlow is imported
+else:
+    # The GPU suite's process starts TensorFlow (and its GPUs) before any run can set
+    # memory growth; without growth it would hold nearly all of every GPU's memory, and
+    # the train.py processes its kill-and-resume test starts would find none left.
+    # TensorFlow's allocator reads this when it creates each GPU; children inherit it.
+    os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
 collect_ignore = [] if GPU_SUITE else ["gpu"]
 
 import pytest  # noqa: E402

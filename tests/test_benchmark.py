@@ -519,3 +519,28 @@ def test_sampled_softmax_run_times_both_vocabularies_and_evaluates_with_the_full
     assert e["softmax"] == "full" and e["eval_logits_width"] == 600
     assert 1 < e["valid_ppl"] < 2 * 600 and e["valid_tokens"] > 200
     assert "full softmax over 600 words" in printed.getvalue()
+
+
+# ------------------------------------------------ the GPU suite's tokens/s (bench.gpus)
+def test_device_scaling_times_mirrored_on_one_device_and_on_two_with_rows_per_device():
+    """The GPU suite's measurement, on this host's logical CPUs in place of GPUs: each
+    contender trains mirrored over its devices with the same rows per device (weak
+    scaling), several steps per call, and its tokens per step are its global batch's
+    (stream mode: every position a token), so the larger contender really trained the
+    larger batch on its devices. No time is asserted."""
+    from tfpar.tools.bench.gpus import device_scaling, format_line
+
+    setup = load_setup(tiny_spec(rounds=1, steps=4))
+    results = device_scaling(setup, {"one": ["/cpu:0"], "two": ["/cpu:0", "/cpu:1"]},
+                             rows_per_device=4, steps_per_execution=2)
+    assert list(results) == ["one", "two"]
+    for r, devices in zip(results.values(), (["/device:CPU:0"],
+                                              ["/device:CPU:0", "/device:CPU:1"])):
+        assert (r["devices"], r["replicas"], r["batch_size"]) == (devices, len(devices),
+                                                                  4 * len(devices))
+        tokens_per_step = r["tokens_per_sec"] * r["step_seconds"]
+        assert tokens_per_step == pytest.approx(r["batch_size"] * setup.spec.bptt, rel=1e-9)
+    line = format_line(results, unit="CPU device")
+    one, two = (results[k]["tokens_per_sec"] for k in ("one", "two"))
+    assert line == (f"tokens/s (mirrored, 4 rows per CPU device, weak scaling): "
+                    f"1 CPU device {one:,.0f}; 2 CPU devices {two:,.0f} ({two / one:.2f}x)")

@@ -91,6 +91,29 @@ def test_a_data_parallel_strategy_trains_on_every_gpu_else_logical_cpus(gpus, wa
         in caplog.text
 
 
+CPUS, GPUS = "/device:CPU:0, /device:CPU:1", "/device:GPU:0, /device:GPU:1"
+
+
+@pytest.mark.parametrize("gpus,all_reduce,want", [
+    (0, "auto", f"2 replica(s) on {CPUS}; all-reduce ReductionToOneDevice"),
+    (0, "hierarchical_copy", f"2 replica(s) on {CPUS}; all-reduce HierarchicalCopyAllReduce"),
+    (2, "auto", f"2 replica(s) on {GPUS}; all-reduce NcclAllReduce"),
+    (1, "auto", "1 replica(s) on /device:GPU:0; all-reduce ReductionToOneDevice (one replica: "
+                "nothing to reduce)"),
+])
+def test_mirrored_names_the_all_reduce_it_was_built_with(gpus, all_reduce, want, monkeypatch):
+    """The start-up line ``strategy mirrored: ...`` (training logs ``describe()``) names
+    the cross-device ops the strategy sums with: NCCL on 2 or more GPUs (GPU counts
+    patched; TensorFlow builds a MirroredStrategy over GPU names without touching them),
+    reduction to one device on CPUs. The GPU suite checks NCCL on real GPUs."""
+    import tensorflow as tf
+
+    monkeypatch.setattr(devices, "num_gpus", lambda: gpus)
+    plugin = registry.build_strategy(DistConfig(strategy="mirrored", all_reduce=all_reduce))
+    assert plugin.describe() == f"mirrored: {want}"
+    assert isinstance(plugin.cross_device_ops, tf.distribute.NcclAllReduce) == (gpus == 2)
+
+
 @pytest.mark.parametrize("gpus", [1, 2])
 def test_cpu_devices_on_a_host_with_gpus_is_an_error_not_ignored(gpus, monkeypatch):
     from tfpar.errors import ConfigError

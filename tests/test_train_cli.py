@@ -19,8 +19,15 @@ EXPECTED_KEYS = {"strategy", "replicas", "devices", "steps", "tokens_per_sec", "
 
 
 @pytest.mark.parametrize("strategy", ["default", "one_device", "mirrored"])
-def test_each_strategy_trains_evaluates_and_exports(strategy, tiny_args, tmp_path):
+def test_each_strategy_trains_evaluates_and_exports(strategy, tiny_args, tmp_path, capsys):
     assert train_main(tiny_args + ["--strategy", strategy]) == 0
+    # The start-up line names the strategy's devices and, for mirrored, its all-reduce.
+    lines = [x for x in capsys.readouterr().err.splitlines() if " strategy " in x]
+    assert len(lines) == 1 and lines[0].endswith(
+        {"default": "strategy default: 1 replica(s) on /device:CPU:0",
+         "one_device": "strategy one_device: 1 replica(s) on /device:CPU:0",
+         "mirrored": "strategy mirrored: 2 replica(s) on /device:CPU:0, /device:CPU:1; "
+                     "all-reduce ReductionToOneDevice"}[strategy]), lines
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert EXPECTED_KEYS <= set(metrics)
     assert metrics["strategy"] == strategy

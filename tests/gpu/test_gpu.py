@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import PINNED, model_config
+from conftest import PINNED, assert_resumed_from, model_config
 from test_export import WITHOUT_TFPAR, saved_op_types
 from test_precision import loss_scale_run
 from tfpar.model import layers
@@ -93,15 +93,112 @@ def test_the_cudnn_kernel_is_in_the_traced_train_step():
         assert np.all(np.isfinite(tf.convert_to_tensor(g).numpy()))
 
 
-def test_mirrored_trains_on_every_gpu(tmp_path):
+def strategy_line(log: str) -> str:
+    """The start-up line ``strategy mirrored: N replica(s) on ...; all-reduce ...`` of a
+    run's log, from ``strategy`` on (the one such line)."""
+    lines = [x[x.index("strategy "):] for x in log.splitlines() if " strategy " in x]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_mirrored_trains_on_every_gpu_and_logs_its_all_reduce(tmp_path, capsys,
+                                                              record_testsuite_property):
+    """Mirrored over every GPU; its start-up line names the all-reduce: NCCL on 2 or more
+    GPUs (one GPU has nothing to sum). tests/gpu/check.py's report quotes the line."""
     metrics = tmp_path / "m.json"
+    capsys.readouterr()
     assert train_main(["--strategy", "mirrored", "--synthetic-sentences", "400,40,40", *PINNED,
                        "--max-steps", "20", "--no-progress", "--no-export",
                        "--model-dir", str(tmp_path / "run"), "--metrics-json",
                        str(metrics)]) == 0
+    line = strategy_line(capsys.readouterr().err)
+    record_testsuite_property("all_reduce", line)
+    print(f"gpu-check: {line}")
+    want = ("NcclAllReduce" if len(GPUS) > 1
+            else "ReductionToOneDevice (one replica: nothing to reduce)")
+    assert line == (f"strategy mirrored: {len(GPUS)} replica(s) on "
+                    f"{', '.join(d.name for d in GPUS)}; all-reduce {want}")
     m = json.loads(metrics.read_text())
     assert m["replicas"] == len(GPUS) and m["steps"] == 20
     print(f"gpu-check: mirrored on {len(GPUS)} GPU(s): valid ppl {m['valid_ppl']:.2f}")
+
+
+@needs(2)
+def test_mirrored_sums_gradients_with_nccls_op_on_every_gpu():
+    """What the log line says is what runs: the plug-in's gradient sum (the one the
+    training step calls), traced, holds TensorFlow's ``NcclAllReduce`` op, and each
+    replica's copy is the sum over every GPU (replica r contributes r + 1)."""
+    from tfpar.config import DistConfig
+    from tfpar.objective.step import add
+    from tfpar.parallel.registry import build_strategy
+
+    plugin = build_strategy(DistConfig(strategy="mirrored"))
+    assert isinstance(plugin.cross_device_ops, tf.distribute.NcclAllReduce)
+
+    def contribution():
+        r = tf.distribute.get_replica_context().replica_id_in_sync_group
+        return tf.fill([4, 3], tf.cast(r + 1, tf.float32))
+
+    @tf.function
+    def summed():
+        return plugin.sum_gradients([plugin.strategy.run(contribution)], None, add)[0]
+
+    assert "NcclAllReduce" in op_types(summed.get_concrete_function())
+    n = len(GPUS)
+    copies = plugin.strategy.experimental_local_results(summed())
+    assert len(copies) == n
+    for c in copies:
+        np.testing.assert_array_equal(c.numpy(), np.full([4, 3], n * (n + 1) / 2))
+
+
+def resume_args(corpus, root, name):
+    """200 mirrored steps over every GPU in stream mode (the carried state gathered from
+    the GPUs into the checkpoint), checkpoints every 4 steps, the GPU default of several
+    steps per call, ``--deterministic``; long enough to be killed mid-run."""
+    return ["--data", str(corpus), "--mode", "stream", "--bptt", "8", *PINNED,
+            "--embed-dim", "16", "--hidden-dim", "64", "--dropout", "0.1",
+            "--strategy", "mirrored", "--batch-size", str(8 * len(GPUS)), "--epochs", "1000",
+            "--max-steps", "200", "--checkpoint-every", "4", "--deterministic", "--seed", "3",
+            "--no-progress", "--no-export", "--model-dir", str(root / name),
+            "--metrics-json", str(root / f"{name}.json")]
+
+
+def test_a_run_killed_on_the_gpus_and_resumed_ends_equal_to_an_uninterrupted_one(
+        tmp_path, record_testsuite_property):
+    """tests/test_reliability.py's SIGKILL test on the GPUs: train.py mirrored over every
+    GPU is killed once its checkpoint of step 8 exists, run again with the same command,
+    and must say it resumed from the checkpoint the kill left and end with every tensor
+    (weights, Adam's slots, counters, the carried state) bit-equal to an uninterrupted
+    run's, and the same perplexities. The promise is --deterministic's
+    (``tf.config.experimental.enable_op_determinism``: the same GPUs, the same software);
+    tfpar/docs/gpu.md says what is not promised without it."""
+    from test_reliability import assert_same_tensors, has_checkpoint, make_corpus, wait_for
+    from tfpar.tools.faults import compare_tensors, latest_step, start_train
+
+    corpus = make_corpus(tmp_path)
+    whole = start_train(resume_args(corpus, tmp_path, "whole"))
+    out, _ = whole.communicate(timeout=900)
+    assert whole.returncode == 0, out[-3000:]
+    killed = start_train(resume_args(corpus, tmp_path, "run"))
+    wait_for(has_checkpoint(tmp_path / "run", 8), killed)
+    killed.kill()  # SIGKILL
+    killed.communicate(timeout=60)
+    left = latest_step(str(tmp_path / "run"))
+    assert left is not None and 4 <= left < 200, left
+    resumed = start_train(resume_args(corpus, tmp_path, "run"))
+    out, _ = resumed.communicate(timeout=900)
+    assert resumed.returncode == 0, out[-3000:]
+    assert_resumed_from(out, left)
+    got, want = checkpoint_tensors(tmp_path / "run"), checkpoint_tensors(tmp_path / "whole")
+    comparison = compare_tensors(got, want)
+    result = (f"resume: killed after step {left} of 200, resumed on {len(GPUS)} GPU(s): "
+              f"{comparison.describe()}")
+    record_testsuite_property("resume", result)
+    print(f"gpu-check: {result}")
+    assert_same_tensors(got, want)
+    ends = [json.loads((tmp_path / f"{n}.json").read_text()) for n in ("run", "whole")]
+    assert [(m["steps"], m["valid_ppl"], m["test_ppl"]) for m in ends] == \
+        [(200, ends[1]["valid_ppl"], ends[1]["test_ppl"])] * 2
 
 
 def test_verify_parallel_passes_on_the_gpus_with_tf32_off(capsys):
@@ -250,3 +347,24 @@ def test_tokens_per_second_of_cudnn_and_of_the_fast_recurrence(monkeypatch):
     print(f"gpu-check: train step tokens/s on /gpu:0: cuDNN {rates['cudnn']:,.0f}, fast "
           f"recurrence {rates['fast']:,.0f} ({rates['cudnn'] / rates['fast']:.1f}x)")
     assert all(r > 0 for r in rates.values())
+
+
+def test_tokens_per_second_of_mirrored_on_one_gpu_and_on_every_gpu(record_testsuite_property):
+    """The benchmark's machinery (tfpar.tools.bench.gpus) on the GPUs: its model
+    (ptb_word_lm's small one: 2 layers of 200, a 10k vocabulary; the generated corpus
+    where ../shared/data/ptb is missing), 64 rows per GPU, training's 20 steps per call
+    on GPUs, 3 interleaved rounds of 40 steps. A measurement for the report: no time is
+    asserted, only that each contender trained on the GPUs it was given."""
+    from tfpar.tools.bench.gpus import device_scaling, format_line
+    from tfpar.tools.bench.spec import quick_spec
+    from tfpar.tools.bench.workload import load_setup
+    from tfpar.training.run import GPU_STEPS_PER_EXECUTION
+
+    names = [d.name for d in GPUS]
+    sets = {"one": names[:1], "every": names} if len(names) > 1 else {"one": names}
+    results = device_scaling(load_setup(quick_spec(steps=40)), sets, rows_per_device=64,
+                             steps_per_execution=GPU_STEPS_PER_EXECUTION)
+    line = format_line(results)
+    record_testsuite_property("tokens_per_sec", line)
+    print(f"gpu-check: {line}")
+    assert [r["devices"] for r in results.values()] == list(sets.values())

@@ -31,10 +31,14 @@ SUM = tf.distribute.ReduceOp.SUM
 class DistributePlugin(StrategyPlugin):
     """Any ``tf.distribute.Strategy`` whose replicas all update the same variables."""
 
-    def __init__(self, name: str, strategy: tf.distribute.Strategy, device_names: list[str]):
+    def __init__(self, name: str, strategy: tf.distribute.Strategy, device_names: list[str],
+                 cross_device_ops: tf.distribute.CrossDeviceOps | None = None):
         self.name = name
         self.strategy = strategy
         self._devices = device_names
+        # What sums the gradients across devices (mirrored's; None: one device, nothing
+        # to sum). The strategy is built with it, so this is the one it uses.
+        self.cross_device_ops = cross_device_ops
 
     @property
     def num_replicas(self) -> int:
@@ -46,6 +50,15 @@ class DistributePlugin(StrategyPlugin):
 
     def scope(self):
         return self.strategy.scope()
+
+    def describe(self) -> str:
+        """The start-up log's ``strategy ...`` line: with mirrored's cross-device
+        reduction named (``NcclAllReduce`` on 2 or more GPUs), the line a GPU report
+        quotes."""
+        line = super().describe()
+        if self.cross_device_ops is None:
+            return line
+        return f"{line}; all-reduce {all_reduce_name(self.cross_device_ops, self.num_replicas)}"
 
     def distribute(self, dataset_fn):
         if self.num_replicas == 1 and not isinstance(self.strategy, tf.distribute.MirroredStrategy):
@@ -130,6 +143,13 @@ def summed_already(optimizer):
     return optimizer
 
 
+def all_reduce_name(ops: tf.distribute.CrossDeviceOps, replicas: int) -> str:
+    """``NcclAllReduce``, ``HierarchicalCopyAllReduce``, ``ReductionToOneDevice``: the
+    ``tf.distribute`` class of ``ops``; one replica has nothing to sum, and says so."""
+    name = type(ops).__name__
+    return name + (" (one replica: nothing to reduce)" if replicas == 1 else "")
+
+
 def cross_device_ops(all_reduce: str, device_names: list[str]):
     """Maps ``--all-reduce`` to a ``tf.distribute`` CrossDeviceOps.
 
@@ -172,4 +192,4 @@ def build_mirrored(dist: DistConfig) -> DistributePlugin:
     """``MirroredStrategy`` over ``--devices``, all GPUs, or logical CPU devices."""
     names = devices_lib.data_parallel_devices(dist)
     ops = cross_device_ops(dist.all_reduce, names)
-    return DistributePlugin("mirrored", tf.distribute.MirroredStrategy(names, ops), names)
+    return DistributePlugin("mirrored", tf.distribute.MirroredStrategy(names, ops), names, ops)
