@@ -8,7 +8,7 @@ above; no import cycles at all, function-local imports included)::
     training   state, schedule, loop (+hooks), checkpoints, summaries, run
     parallel   strategy plug-ins, devices, cluster        serving   export, sample
     data       corpora, vocab, pipeline                   model     objective
-    base       config, errors, files
+    base       config, errors, files, compat (the private TF/Keras/argparse APIs)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tfpar"
 LAYERS = {
-    "tfpar": 0, "tfpar.config": 0, "tfpar.errors": 0, "tfpar.files": 0,
+    "tfpar": 0, "tfpar.config": 0, "tfpar.errors": 0, "tfpar.files": 0, "tfpar.compat": 0,
     "tfpar.data": 1, "tfpar.model": 1, "tfpar.objective": 1,
     "tfpar.parallel": 2, "tfpar.serving": 2,
     "tfpar.training": 3,
