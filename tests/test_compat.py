@@ -228,7 +228,7 @@ def test_the_stack_walk_finds_each_created_variables_keras_path():
         optimizer.build(model.trainable_variables)
     want = [v.path for v in model.variables + optimizer.variables]
     assert "stack/first/kernel" in want
-    assert sorted(seen) == sorted(want)
+    assert sorted(seen, key=str) == sorted(want)
 
 
 # ------------------------------------------------------------------------- argparse
