@@ -8,7 +8,7 @@ above; no import cycles at all, function-local imports included)::
     training   state, schedule, loop (+hooks), checkpoints, summaries, run
     parallel   strategy plug-ins, devices, cluster        serving   export, sample
     data       corpora, vocab, pipeline                   model     objective
-    base       config, errors, files
+    base       config, errors, files, compat (the private TF/Keras/argparse APIs)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "tfpar"
 LAYERS = {
-    "tfpar": 0, "tfpar.config": 0, "tfpar.errors": 0, "tfpar.files": 0,
+    "tfpar": 0, "tfpar.config": 0, "tfpar.errors": 0, "tfpar.files": 0, "tfpar.compat": 0,
     "tfpar.data": 1, "tfpar.model": 1, "tfpar.objective": 1,
     "tfpar.parallel": 2, "tfpar.serving": 2,
     "tfpar.training": 3,
@@ -285,3 +285,144 @@ def test_the_autograph_check_sees_a_bare_decorator_and_a_call(tmp_path):
                       "g = tf.function(f, jit_compile=True)\n"
                       "h = tf.function(f, autograph=False)\n")
     assert tf_functions_without_autograph_off(source) == [3, 7]
+
+
+# ------------------------------------------------------------------- private APIs
+# Private TensorFlow / Keras / argparse names are used in tfpar.compat alone (each with why
+# and the versions checked, and a behaviour test in tests/test_compat.py). Elsewhere an
+# object's own private attributes (``self._x``, ``cls._x``, ``super()._x``) are fine, and so
+# are these, tfpar's own private names read by a close collaborator, and ``os._exit``
+# (a documented public function despite its underscore):
+OWN_PRIVATE = {
+    ("tfpar.training.profiling", "other._profiler"),  # another StepHooks' state
+    ("tfpar.tools.bench.sampled", "contender._outputs"),  # a bench Contender's steps
+    ("tfpar.tools.bench.measure", "data._examples"),  # InputData's line -> example map
+    ("tfpar.tools.parsing", "sub._option_strings"),  # a sub-command's tfpar Parser
+}
+PUBLIC_DESPITE_UNDERSCORE = {"os._exit"}
+PRIVATE_MODULES = ("keras.src", "tensorflow.python", "tensorflow.core", "tensorflow.compiler")
+# The Trackable saving protocol and the optimizer's sum: defining one of these overrides a
+# foreign class's private behaviour.
+FOREIGN_PROTOCOL = {"_serialize_to_tensors", "_restore_from_tensors", "_trackable_children",
+                    "_gather_saveables_for_checkpoint", "_all_reduce_sum_gradients"}
+FRAME_ATTRIBUTES = {"f_back", "f_locals", "f_globals", "tb_frame"}
+STACK_CALLS = {"inspect.currentframe", "inspect.stack", "inspect.getouterframes",
+               "inspect.getframeinfo"}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_uses(path: pathlib.Path, module: str = "") -> list[str]:
+    """``"<line>: <what>"`` for every private API ``path``'s code (docstrings aside) uses:
+    a private attribute of another object, ``tf.__internal__``, a private module
+    (``keras.src``) imported or named in a string, a private name given to
+    ``getattr``/``hasattr``/``setattr``/``delattr``, a stack walk, or a definition of a
+    foreign private protocol method."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                       ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        what = None
+        if isinstance(node, ast.Attribute):
+            text = ast.unparse(node)
+            own = (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")) or (
+                isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)
+                and node.value.func.id == "super")
+            if node.attr == "__internal__" or node.attr in FRAME_ATTRIBUTES or (
+                    _is_private(node.attr) and not own
+                    and (module, text) not in OWN_PRIVATE
+                    and text not in PUBLIC_DESPITE_UNDERSCORE):
+                what = text
+        elif isinstance(node, ast.Import):
+            what = ", ".join(a.name for a in node.names
+                             if a.name.startswith(PRIVATE_MODULES)
+                             or any(_is_private(p) for p in a.name.split(".")))
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            if any(n.startswith(PRIVATE_MODULES) or any(_is_private(p) for p in n.split("."))
+                   for n in names):
+                what = f"from {node.module} import ..."
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and id(node) not in docstrings and any(m in node.value for m in PRIVATE_MODULES):
+            what = repr(node.value)
+        elif isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name in STACK_CALLS:
+                what = f"{name}()"
+            elif name in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1 \
+                    and isinstance(node.args[1], ast.Constant) \
+                    and isinstance(node.args[1].value, str) and _is_private(node.args[1].value):
+                what = f"{name}(..., {node.args[1].value!r})"
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                and node.name in FOREIGN_PROTOCOL:
+            what = f"def {node.name}"
+        if what:
+            found.append(f"{node.lineno}: {what}")
+    return sorted(found, key=lambda s: (int(s.split(":")[0]), s))
+
+
+def inherited_private_reads(paths) -> list[str]:
+    """``self._x`` / ``cls._x`` reads whose ``_x`` no tfpar code defines (assigns on
+    ``self``/``cls``, or names in a ``def``, ``class`` or assignment): a foreign base
+    class's private attribute read through inheritance."""
+    used, defined = {}, set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id in ("self", "cls") and _is_private(node.attr):
+                if isinstance(node.ctx, ast.Store):
+                    defined.add(node.attr)
+                else:
+                    used.setdefault(node.attr, f"{path.name}:{node.lineno}")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                defined |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return sorted(f"{where}: self.{name}" for name, where in used.items()
+                  if name not in defined)
+
+
+def test_private_apis_are_used_in_compat_alone():
+    """No module but ``tfpar.compat`` reaches into TensorFlow's, Keras' or argparse's
+    private names (the design's rule: one module, each use explained and tested)."""
+    uses = {name: found for name, path in all_modules().items()
+            if name != "tfpar.compat" and (found := private_uses(path, name))}
+    assert uses == {}
+    assert private_uses(PACKAGE / "compat.py")  # the fence holds what it fences
+    outside = [p for name, p in all_modules().items() if name != "tfpar.compat"]
+    assert inherited_private_reads(outside) == []
+
+
+def test_the_private_api_check_sees_each_kind_of_use(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        '"""A docstring may name keras.src and opt._x."""\n'
+        "import importlib, inspect, os\n"
+        "from keras.src import backend\n"
+        "import tensorflow.python.eager\n"
+        "class C(Base):\n"
+        "    def _serialize_to_tensors(self):\n"
+        "        return self._mine, super()._theirs, os._exit\n"
+        "def f(opt, spec):\n"
+        "    opt._all_reduce_sum_gradients = None\n"
+        "    spec._with_tensor_ranks_only()\n"
+        "    getattr(opt, '_learning_rate', None)\n"
+        "    importlib.import_module('keras.src.backend.tensorflow.rnn')\n"
+        "    frame = inspect.currentframe().f_back\n"
+        "    return tf.__internal__.distribute.ShardedVariable, contender._outputs\n")
+    assert private_uses(source) == [
+        "3: from keras.src import ...", "4: tensorflow.python.eager",
+        "6: def _serialize_to_tensors", "9: opt._all_reduce_sum_gradients",
+        "10: spec._with_tensor_ranks_only", "11: getattr(..., '_learning_rate')",
+        "12: 'keras.src.backend.tensorflow.rnn'", "13: inspect.currentframe()",
+        "13: inspect.currentframe().f_back", "14: contender._outputs",
+        "14: tf.__internal__"]
+    assert "14: contender._outputs" not in private_uses(source, "tfpar.tools.bench.sampled")
+    assert inherited_private_reads([source]) == ["m.py:7: self._mine"]

@@ -18,6 +18,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import model_config
+from tfpar import compat
 from tfpar.model import layers
 from tfpar.model.lm import build_model
 from tfpar.objective.losses import nll_sum_and_count
@@ -192,7 +193,7 @@ def test_bf16_matmuls_and_other_math_keep_their_paths(gpu_visible):
         gru.append(kwargs["rnn_mode"])
         raise NotImplementedError  # -> the fast GRU
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(layers._keras_cudnn(), "gru",
+        patch.setattr(compat.keras_tf_rnn(), "gru",
                       lambda *a, **k: cudnn_gru(rnn_mode="gru"))
         loss_and_grads(make(dataclasses.replace(MODEL, cell="gru")), INPUTS, TARGETS)
     assert len(gru) >= 2 and set(gru) == {"gru"}  # (called as each layer is traced)

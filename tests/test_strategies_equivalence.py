@@ -78,42 +78,6 @@ def test_distributed_eval_equals_single_device_eval(strategy, replicas, mode):
     assert nll == pytest.approx(ref_nll, rel=1e-6)
 
 
-def test_the_optimizer_applies_the_summed_gradients_without_summing_again():
-    """The synchronous step all-reduces the gradients once: on this Keras the optimizer's
-    own replica-context sum is switched off for the plug-in's optimizer (were it not, the
-    equivalence tests above would see every update multiplied by the replica count), and
-    the sum it is switched off with passes the gradients through unchanged."""
-    import keras
-    import tensorflow as tf
-
-    from tfpar.parallel import distribute
-
-    optimizer = keras.optimizers.SGD(1.0)
-    assert distribute.summed_already(optimizer) is optimizer
-    pairs = [(tf.constant([1.0]), "v0"), (tf.constant([2.0]), "v1")]
-    assert optimizer._all_reduce_sum_gradients(iter(pairs)) == pairs
-    assert "_all_reduce_sum_gradients" not in vars(keras.optimizers.SGD(1.0))  # per instance
-
-
-def test_an_optimizer_without_the_replica_sum_is_refused_in_one_line():
-    """An optimizer that would sum the replicas' gradients where tfpar cannot switch the
-    sum off would apply them R times: refused, naming the class."""
-    import keras
-
-    from tfpar.parallel import distribute
-
-    class Summing:
-        pass
-
-    with pytest.raises(RuntimeError, match=r"^this Keras' Summing has no "
-                       r"_all_reduce_sum_gradients: tfpar needs Keras 3's TensorFlow "
-                       r"optimizer \(it hands it gradients summed already\)$"):
-        distribute.summed_already(Summing())
-    wrapped = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1.0))
-    assert distribute.summed_already(wrapped) is wrapped  # and its inner optimizer
-    assert "_all_reduce_sum_gradients" in vars(wrapped.inner_optimizer)
-
-
 @functools.lru_cache(maxsize=None)
 def sampled_setup(mode, tie):
     """``setup(mode)`` with the sampled softmax (8 candidates of 43 words), tied or not;

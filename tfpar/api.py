@@ -27,6 +27,7 @@ import argparse
 import difflib
 from typing import Any, Mapping, Sequence
 
+from tfpar import compat
 from tfpar.config import Config
 from tfpar.errors import ConfigError
 from tfpar.tools import cli
@@ -58,7 +59,7 @@ def settings_argv(parser: argparse.ArgumentParser, settings: Mapping[str, Any]) 
     Raises:
       ConfigError: a keyword that is no flag's, or a switch given a non-boolean.
     """
-    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+    actions = {a.dest: a for a in compat.parser_actions(parser) if a.option_strings and a.dest != "help"}
     settings = dict(_negated(actions, name, value) for name, value in settings.items())
     for name in settings:
         if name not in actions:

@@ -55,6 +55,7 @@ import contextvars
 import keras
 import tensorflow as tf
 
+from tfpar import compat
 from tfpar.model.xla import when_shapes_fixed
 
 # ----------------------------------------------------------------------------- helpers
@@ -401,14 +402,6 @@ def runs_on_gpu(probe: tf.Tensor) -> bool:
     return bool(tf.config.list_logical_devices("GPU"))
 
 
-def _keras_cudnn():
-    """Keras' TensorFlow-backend RNN functions (``lstm``/``gru``: cuDNN or
-    NotImplementedError), the entry points ``keras.layers.LSTM``/``GRU`` use."""
-    import importlib
-
-    return importlib.import_module("keras.src.backend.tensorflow.rnn")
-
-
 def _cudnn_mask(mask):
     """``mask`` [B, T] with every row's first step on: cuDNN refuses a row of length 0."""
     if mask is None:
@@ -490,7 +483,7 @@ class FastLSTM(_FastRecurrence, keras.layers.LSTM):
 
     def _cudnn(self, x, state, mask, kernel, recurrent_kernel, bias):
         cell = self.cell
-        return _keras_cudnn().lstm(
+        return compat.keras_tf_rnn().lstm(
             x, state[0], state[1], _cudnn_mask(mask), kernel=kernel,
             recurrent_kernel=recurrent_kernel, bias=bias, activation=cell.activation,
             recurrent_activation=cell.recurrent_activation,
@@ -515,7 +508,7 @@ class FastGRU(_FastRecurrence, keras.layers.GRU):
 
     def _cudnn(self, x, state, mask, kernel, recurrent_kernel, bias):
         cell = self.cell
-        last, outputs, h = _keras_cudnn().gru(
+        last, outputs, h = compat.keras_tf_rnn().gru(
             x, state[0], _cudnn_mask(mask), kernel=kernel, recurrent_kernel=recurrent_kernel,
             bias=bias, activation=cell.activation,
             recurrent_activation=cell.recurrent_activation,

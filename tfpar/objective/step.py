@@ -53,6 +53,7 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from tfpar import compat
 from tfpar.model import precision, xla
 from tfpar.objective import losses
 from tfpar.objective.output import output_loss
@@ -113,9 +114,8 @@ def any_shape_specs(values):
     with every dimension unknown: [b, T] -> [None, None]."""
     # TypeSpec's rank-only relaxation (what reduce_retracing's later traces get) reaches
     # into composite specs too: a PerReplica's is one spec per replica.
-    return tf.nest.map_structure(
-        lambda v: None if v is None else tf.type_spec_from_value(v)._with_tensor_ranks_only(),
-        values)
+    return tf.nest.map_structure(lambda v: None if v is None else compat.rank_only_spec(v),
+                                 values)
 
 
 def forward(model, batch: dict, state=None, training: bool = False, *, loss,

@@ -6,7 +6,8 @@ loss) with ``strategy.reduce``; the gradients all-reduced once, by the strategy'
 cross-device ops, into a copy of the sum on every replica, which gives the global norm
 (for the clip factor) and is what every replica's optimizer applies, told not to sum
 again (Keras 3's ``apply_gradients`` all-reduces in a replica context by itself, which
-would be a second all-reduce of every gradient each step; see :func:`summed_already`).
+would be a second all-reduce of every gradient each step; see
+:func:`tfpar.compat.summed_already`).
 Sparse gradients (``tf.IndexedSlices``, the sampled softmax's) all-reduce as a gather of
 every replica's rows, then each replica sums repeated rows (the step's ``combine``)
 before the norm.
@@ -18,6 +19,7 @@ import logging
 
 import tensorflow as tf
 
+from tfpar import compat
 from tfpar.parallel import devices as devices_lib
 from tfpar.config import DistConfig
 from tfpar.errors import ConfigError
@@ -104,7 +106,7 @@ class DistributePlugin(StrategyPlugin):
     def run_update(self, optimizer, update, grads):
         """On every replica (the optimizer's update of a mirrored variable), told that
         the gradients it gets are summed already."""
-        summed_already(optimizer)
+        compat.summed_already(optimizer)
         self.strategy.run(update, args=(grads,))
 
     def global_state(self, state):
@@ -119,28 +121,6 @@ class DistributePlugin(StrategyPlugin):
         replicas = self.num_replicas
         return self.strategy.experimental_distribute_values_from_function(
             lambda ctx: rows.state_share(state, replicas, ctx.replica_id_in_sync_group))
-
-
-def _as_given(grads_and_vars):
-    return list(grads_and_vars)
-
-
-def summed_already(optimizer):
-    """Makes ``optimizer.apply_gradients`` apply the gradients it is given as they are,
-    without all-reducing them over the replicas (tfpar hands it sums): Keras 3's
-    TensorFlow optimizer sums them in ``_all_reduce_sum_gradients``, called in ``apply``
-    in a replica context. Set on the instance, once: the replicas of a MirroredStrategy
-    trace ``apply`` on threads of their own, at the same time. Returns the optimizer."""
-    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-        # Under loss scaling the wrapped optimizer is the one that applies (and sums).
-        if opt is None:
-            continue
-        if not hasattr(opt, "_all_reduce_sum_gradients"):
-            raise RuntimeError(f"this Keras' {type(opt).__name__} has no "
-                               "_all_reduce_sum_gradients: tfpar needs Keras 3's TensorFlow "
-                               "optimizer (it hands it gradients summed already)")
-        opt._all_reduce_sum_gradients = _as_given
-    return optimizer
 
 
 def all_reduce_name(ops: tf.distribute.CrossDeviceOps, replicas: int) -> str:

@@ -55,6 +55,7 @@ import threading
 
 import tensorflow as tf
 
+from tfpar import compat
 from tfpar.config import DistConfig
 from tfpar.errors import ClusterError, ConfigError, command
 from tfpar.model.lm import detached_copy
@@ -64,7 +65,9 @@ from tfpar.objective.step import StepOutput
 from tfpar.parallel.cluster.tf_config import ClusterConfig, check_port_free, require_cluster
 
 log = logging.getLogger(__name__)
-ShardedVariable = tf.__internal__.distribute.ShardedVariable
+ShardedVariable = compat.sharded_variable_type()
+# A ShardedVariable a Keras 3 variable can checkpoint (see compat).
+CheckpointedShards = compat.checkpointed_shards_type()
 # Partition a variable only into shards of at least this many bytes (TF's default).
 MIN_SHARD_BYTES = 256 << 10
 
@@ -86,22 +89,6 @@ def worker_batches(data, split: str, *, training: bool, batch_size: int, workers
     mine = tf.maximum(tf.constant(skip, tf.int64) - index + workers - 1, 0) // workers
     return data.batches(split, training=training, epoch=epoch, batch_size=batch_size,
                         pipelines=workers, index=index).skip(mine)
-
-
-class CheckpointedShards(ShardedVariable):
-    """A ``ShardedVariable`` a Keras 3 variable can checkpoint.
-
-    A Keras variable saves what it wraps through ``_serialize_to_tensors``, which
-    ``ShardedVariable`` lacks (it has only legacy saveables), and then fails. This one
-    saves the whole value under the Keras variable's key - the checkpoint an unsharded
-    variable writes, so any strategy can restore it - and restores by slicing.
-    """
-
-    def _serialize_to_tensors(self):
-        return {"VARIABLE_VALUE": tf.convert_to_tensor(self)}
-
-    def _restore_from_tensors(self, restored_tensors):
-        return self.assign(restored_tensors["VARIABLE_VALUE"])
 
 
 class FailureReports(logging.Filter):

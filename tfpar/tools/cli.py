@@ -17,6 +17,7 @@ import sys
 import typing
 from typing import Callable, Mapping, Sequence
 
+from tfpar import compat
 from tfpar import config as cfg
 from tfpar.errors import TfparError
 from tfpar.tools.parsing import Parser
@@ -58,7 +59,7 @@ class Flag:
     optional: bool       # None is a value (it means "the run decides")
     metadata: Mapping
 
-    def add_to(self, group: argparse._ArgumentGroup) -> None:
+    def add_to(self, group: compat.ArgumentGroup) -> None:
         help_ = self.metadata["help"]
         kwargs: dict = {"dest": self.dest}
         if self.kind is bool and (self.default or self.optional):

@@ -16,6 +16,8 @@ import difflib
 import sys
 from typing import NoReturn, Sequence
 
+from tfpar import compat
+
 
 class Parser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose errors are one line (see the module docstring).
@@ -43,12 +45,12 @@ class Parser(argparse.ArgumentParser):
     def _option_strings(self) -> set[str]:
         """Every flag of this parser and of its sub-commands' parsers."""
         known = set()
-        for action in self._actions:
+        for action in compat.parser_actions(self):
             known.update(action.option_strings)
-            if isinstance(action, argparse._SubParsersAction):
+            if compat.is_subcommands(action):
                 for sub in action.choices.values():
                     known.update(sub._option_strings() if isinstance(sub, Parser) else
-                                 {o for a in sub._actions for o in a.option_strings})
+                                 {o for a in compat.parser_actions(sub) for o in a.option_strings})
         return known
 
     def unrecognized(self, extra: Sequence[str]) -> str:

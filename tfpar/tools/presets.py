@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 from typing import Mapping, Sequence
 
+from tfpar import compat
 from tfpar.errors import ConfigError
 
 
@@ -64,7 +65,7 @@ PRESETS: dict[str, tuple[str, dict]] = {
 
 def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
     """The destinations of the flags that appear in ``argv`` (``--lr 1`` or ``--lr=1``)."""
-    by_option = {opt: action.dest for action in parser._actions for opt in action.option_strings}
+    by_option = {opt: action.dest for action in compat.parser_actions(parser) for opt in action.option_strings}
     given = set()
     for arg in argv:
         if arg == "--":
@@ -101,7 +102,7 @@ def apply_preset(args: argparse.Namespace, parser: argparse.ArgumentParser,
 
 def describe(parser: argparse.ArgumentParser, values: Mapping[str, object]) -> str:
     """``--bptt 20 --lr 20.0 ...``: preset values as the flags they stand for."""
-    actions = {action.dest: action for action in parser._actions if action.option_strings}
+    actions = {action.dest: action for action in compat.parser_actions(parser) if action.option_strings}
 
     def as_flag(dest: str, value) -> str:
         action = actions[dest]

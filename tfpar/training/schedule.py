@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tfpar import compat
 from tfpar.config import DEFAULT_EMA_MOMENTUM, Config, TrainConfig
 from tfpar.model.precision import with_loss_scaling
 
@@ -47,7 +48,7 @@ def applied_learning_rate(optimizer: keras.optimizers.Optimizer, step: int) -> f
     A constant rate is returned as it is.
     """
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # under loss scaling
-    schedule = getattr(optimizer, "_learning_rate", None)  # what Keras built the rate from
+    schedule = compat.learning_rate_source(optimizer)  # what Keras built the rate from
     if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
         return float(schedule(max(step - 1, 0)))
     return float(optimizer.learning_rate)

@@ -53,12 +53,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import logging
 
-import keras
 import tensorflow as tf
 
+from tfpar import compat
 from tfpar.objective import step
 from tfpar.config import DistConfig
 from tfpar.model.lm import EMBEDDING, SOFTMAX, rnn_name
@@ -69,29 +68,6 @@ from tfpar.parallel.pipeline.stages import (RNN_PART, Placement, Stage, part_of_
                                             placement_from_config)
 
 log = logging.getLogger(__name__)
-
-
-def _keras_variable_path(max_depth: int = 16) -> str | None:
-    """The Keras path of the Keras variable whose ``tf.Variable`` is being created.
-
-    Keras 3 hands ``tf.Variable`` only the short name ("kernel"), and builds a subclassed
-    model's weights deferred, after its layers' name scopes are closed; the
-    ``keras.Variable`` object that asks for the ``tf.Variable`` is the one place that
-    still knows its path ("rnn_lm/rnn_1/lstm_cell/kernel"), so look for it up the stack.
-    ``tests/test_pipeline.py`` checks every weight lands on its stage's device.
-    """
-    frame = inspect.currentframe()
-    try:
-        for _ in range(max_depth):
-            frame = frame.f_back if frame is not None else None
-            if frame is None:
-                return None
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, keras.Variable):
-                return owner.path
-        return None
-    finally:
-        del frame
 
 
 @dataclasses.dataclass
@@ -160,7 +136,7 @@ class PipelinePlugin(StrategyPlugin):
         return tf.variable_creator_scope(self._create_variable)
 
     def _create_variable(self, next_creator, **kwargs):
-        part = part_of_path(_keras_variable_path())
+        part = part_of_path(compat.creating_keras_variable_path())
         device = self.placement.device_of(part) if part else None
         if device is None:
             return next_creator(**kwargs)
