@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -91,6 +92,10 @@ def write_corpus(data: Path, name: str, out: Path) -> Path:
 def run_tfpar(corpus: Path, row: tuple, seed: int, work: Path, extra: list[str]) -> dict:
     _, cell, tied, mode = row
     metrics = work / "metrics.json"
+    # A run not in results.jsonl trains anew: a model dir left by an earlier run (another
+    # code, a crash) would be resumed, and at its end only evaluated.
+    shutil.rmtree(work / "run", ignore_errors=True)
+    metrics.unlink(missing_ok=True)
     argv = [sys.executable, str(REPO / "scripts" / "train.py"), "--data", str(corpus),
             "--mode", mode, "--cell", cell, "--seed", str(seed), "--model-dir", str(work / "run"),
             "--metrics-json", str(metrics), *COMMON_TFPAR,

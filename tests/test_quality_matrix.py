@@ -51,3 +51,23 @@ def test_the_peers_perplexities_are_read_from_its_own_lines():
            "| End of training | test loss  5.37 | test ppl   214.10\n")
     assert matrix.TORCH_VALID.search(out).group(1) == "216.50"
     assert matrix.TORCH_TEST.search(out).group(1) == "214.10"
+
+
+def test_a_tfpar_run_trains_anew_in_a_work_dir_an_earlier_run_left(tmp_path, monkeypatch):
+    """A model dir left there would be resumed at its end and only evaluated: a re-measured
+    row would repeat the old code's figures."""
+    import json
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "metrics.json").write_text('{"valid_ppl": 1, "test_ppl": 1}')
+    seen = {}
+
+    def fake_run(argv, **kw):
+        seen["stale"] = (tmp_path / "run").exists() or (tmp_path / "metrics.json").exists()
+        seen["ema"] = argv[argv.index("--ema-momentum") + 1]
+        (tmp_path / "metrics.json").write_text(json.dumps({"valid_ppl": 7, "test_ppl": 8}))
+
+    monkeypatch.setattr(matrix.subprocess, "run", fake_run)
+    got = matrix.run_tfpar(tmp_path / "corpus", matrix.ROWS["ptb-words"], 0, tmp_path, [])
+    assert (got["valid_ppl"], got["test_ppl"]) == (7, 8)
+    assert seen == {"stale": False, "ema": "0"}  # (the last weights, as the peer reports)
