@@ -40,6 +40,7 @@ from tfpar.data.pipeline import InputData
 from tfpar.data.sources import LoadedCorpus, load_corpus
 from tfpar.data.vocab import Vocab, train_counts
 from tfpar.errors import ConfigError
+from tfpar.model import cells
 from tfpar.objective.losses import perplexity
 from tfpar.parallel.registry import ASYNCHRONOUS, build_strategy
 from tfpar.parallel import parameter_server
@@ -196,6 +197,8 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     log.info("strategy %s", plugin.describe())
     config = steps_per_execution(config, plugin)
     plugin.check_config(config)
+    if config.model.custom_cell:  # a cell that cannot work fails before anything is written
+        cells.make_cell(config.model.cell, config.model.hidden_dim)
     check_batch_sizes(config, plugin.num_replicas)
     # Read before the model dir is made: a corpus that cannot be read leaves nothing on disk.
     started = time.time()
