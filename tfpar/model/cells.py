@@ -83,7 +83,8 @@ def make_cell(spec: str, units: int) -> keras.layers.Layer:
     """
     factory = load(spec)
     if not callable(factory):
-        raise ConfigError(f"--cell {spec} is a {type(factory).__name__}, not {SHAPE}")
+        raise ConfigError(f"--cell {spec} names the {type(factory).__name__} "
+                          f"{str(factory)[:40]}, not {SHAPE}")
     try:
         cell = factory(units)
     except Exception as e:
