@@ -34,7 +34,9 @@ the model as the asset ``vocab.txt`` (line number = id). The tokenizer of the ru
 (``whitespace``, ``punct`` or ``char``; ``tfpar.data.tokenize``) is traced into ``score``
 and ``generate``, so a reloaded model splits and joins text as its training did without
 being told; its name is the string variable ``tokenizer`` of the loaded object. Loading
-needs only TensorFlow:
+needs only TensorFlow, for a model with a cell of one's own (``--cell MODULE:NAME``) too:
+its step is traced into the signatures' graphs, and ``MODULE`` is never imported to serve
+them (a cell that calls Python is refused at export: :func:`check_servable`):
 ``tf.saved_model.load(path).signatures["score"](text=tf.constant(["a b"]))``.
 """
 
