@@ -281,3 +281,22 @@ def test_two_worker_processes_train_the_cell_as_one_device(cell, mode, tmp_path,
     rows = {r["strategy"]: r for r in json.loads(report.read_text())}
     assert rows["multi_worker"]["replicas"] == 2
     assert rows["multi_worker"]["max_abs_param_diff"] <= 1e-5
+
+
+def test_one_state_tensor_and_the_python_api():
+    """A cell whose state_size is one integer (Keras' SimpleRNNCell) carries one [B, H]
+    tensor per layer; the Python API takes the cell as the flag does."""
+    import tfpar
+    from tfpar.model.lm import build_model
+
+    config = tfpar.make_config(cell="keras.layers:SimpleRNNCell", layers=2, embed_dim=8,
+                               hidden_dim=8)
+    assert config.model.cell == "keras.layers:SimpleRNNCell" and config.model.custom_cell
+    model = build_model(config.model, 20, seed=1)
+    assert model.state_widths == (8,)
+    state = [[tf.fill([3, 8], 0.5)] for _ in range(2)]
+    logits, final = model(tf.ones([3, 4], tf.int32), initial_state=state)
+    assert logits.shape == (3, 4, 20)
+    assert [[s.shape for s in layer] for layer in final] == [[(3, 8)], [(3, 8)]]
+    _, from_zeros = model(tf.ones([3, 4], tf.int32))
+    assert not np.allclose(final[0][0], from_zeros[0][0])  # the given state was used
