@@ -73,6 +73,29 @@ class WideCell(ThreeStateCell):
         self.output_size = units + 1
 
 
+class LyingCell(ThreeStateCell):
+    """Says its output is the hidden size, returns one more column."""
+
+    def call(self, inputs, states):
+        out, new = super().call(inputs, states)
+        return ops.concatenate([out, out[:, :1]], axis=-1), new
+
+
+class UnusedWeightCell(ThreeStateCell):
+    """A trainable weight its step never reads."""
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self.spare = self.add_weight(shape=(4,), name="spare")
+
+
+class FailingCell(ThreeStateCell):
+    """A step with a shape mistake."""
+
+    def call(self, inputs, states):
+        return ops.matmul(inputs, self.kernel), states
+
+
 class PythonCell(ThreeStateCell):
     """Calls back into Python at every step (tf.numpy_function, off the gradient's path):
     it trains, but a SavedModel cannot serve it without this process."""

@@ -210,6 +210,14 @@ def test_init_from_a_custom_cell_run_needs_its_cell_named(cell_run, tmp_path, ca
     ("cells:WideCell", [], "error: --cell cells:WideCell: its output is 9 wide, not the "
      "hidden size 8 (--hidden-dim) every layer passes on; make the cell's output_size (or "
      "its first state's width) 8"),
+    ("cells:LyingCell", [], "error: --cell cells:LyingCell: its output is 9 wide, not the "
+     "hidden size 8 (--hidden-dim)"),
+    ("cells:UnusedWeightCell", [], "error: --cell cells:UnusedWeightCell: its weight "
+     "cell/spare takes no part in its output or state, so training could not update it; "
+     "use every trainable weight, or add it with trainable=False"),
+    ("cells:FailingCell", [], "error: --cell cells:FailingCell: running it over a [2, 3, 8] "
+     "batch failed: InvalidArgumentError: FailingCell.call(): Matrix size-incompatible: "
+     "In[0]: [2,8], In[1]: [23,23] [Op:MatMul]"),
     ("lstm2", [], "error: unknown cell 'lstm2'; expected one of: lstm, gru, or MODULE:NAME"),
     (THREE, ["--weight-drop", "0.1"], "error: weight-drop 0.1 drops the built-in cells' "
      f"recurrent matrix; --cell {THREE} is your own"),

@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import re
 import threading
 
 import keras
+import tensorflow as tf
 
 from tfpar.errors import ConfigError
 from tfpar.model.init import role_seed
@@ -128,10 +130,48 @@ def check_cell(spec: str, cell, units: int) -> list[int]:
     output = getattr(cell, "output_size", None)
     output = widths[0] if output is None else output  # keras.layers.RNN's rule
     if output != units:
-        raise ConfigError(f"--cell {spec}: its output is {output!r} wide, not the hidden size "
-                          f"{units} (--hidden-dim) every layer passes on; make the cell's "
-                          f"output_size (or its first state's width) {units}")
+        raise output_width_error(spec, output, units)
     return widths
+
+
+def output_width_error(spec: str, width, units: int) -> ConfigError:
+    """The error for a cell whose output is ``width`` wide where ``units`` was due."""
+    return ConfigError(f"--cell {spec}: its output is {width!r} wide, not the hidden size "
+                       f"{units} (--hidden-dim) every layer passes on; make the cell's "
+                       f"output_size (or its first state's width) {units}")
+
+
+def probe(spec: str, units: int, input_width: int) -> None:
+    """Runs a new cell of ``spec`` (in ``keras.layers.RNN``, its own weights) over a
+    [2, 3, input_width] batch and differentiates its outputs and final states: what the
+    first step of training would find wrong with it, found before anything is written.
+
+    Raises:
+      ConfigError: :func:`make_cell`'s errors; the run fails (the cell's own error, one
+        line); an output not ``units`` wide; a trainable weight with no gradient (it takes
+        no part in the output or the state, and the step could not update it).
+    """
+    layer = CellRNN(make_cell(spec, units), return_sequences=True, return_state=True,
+                    name="probe")
+    x = tf.ones([2, 3, input_width])
+    try:
+        with tf.GradientTape() as tape:
+            out = layer(x)
+            total = tf.add_n([tf.reduce_sum(t) for t in out])
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"--cell {spec}: running it over a [2, 3, {input_width}] batch "
+                          f"failed: {_one_line(e)}") from None
+    if out[0].shape[-1] != units:
+        raise output_width_error(spec, out[0].shape[-1], units)
+    weights = layer.trainable_weights
+    for v, g in zip(weights, tape.gradient(total, weights)):
+        if g is None:
+            name = v.path.removeprefix("probe/")
+            raise ConfigError(f"--cell {spec}: its weight {name} takes no part in its output "
+                              "or state, so training could not update it; use every "
+                              "trainable weight, or add it with trainable=False")
 
 
 def _rename(layer: keras.layers.Layer, name: str) -> None:
@@ -208,5 +248,13 @@ def seeded(initializer, seed: int):
 
 
 def _one_line(e: Exception) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+    """``Type: first line`` of an exception; for Keras' wrapper ("Exception encountered
+    when calling X.call()."), the wrapped message's first line, unstyled."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(e).splitlines()]
+    lines = [line for line in lines if line]
+    if len(lines) > 1 and lines[0].startswith("Exception encountered when calling"):
+        lines = [f"{lines[0].removeprefix('Exception encountered when calling ').rstrip('.')}:"
+                 f" {lines[1]}"]
+    text = re.sub(r"\{\{function_node [^}]*\}\}\s*|\s*name:\s*$", "", lines[0])[:300] \
+        if lines else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__

@@ -19,7 +19,6 @@ import keras
 import tensorflow as tf
 
 from tfpar.config import ModelConfig
-from tfpar.errors import ConfigError
 from tfpar.model import cells
 from tfpar.model.init import ForgetGateBias, initializer
 from tfpar.model.layers import FastGRU, FastLSTM
@@ -173,10 +172,8 @@ class RNNLanguageModel(keras.Model):
         """Layer ``i``: [B, T, D] → ([B, T, H], its final state as a list)."""
         out = self.rnns[i](x, mask=mask, initial_state=state, training=training)
         if out[0].shape[-1] != self.config.hidden_dim:  # a custom cell's output_size lied
-            raise ConfigError(f"--cell {self.config.cell}: layer {i} outputs "
-                              f"{out[0].shape[-1]} features, not the hidden size "
-                              f"{self.config.hidden_dim} (--hidden-dim); make the cell's "
-                              f"output {self.config.hidden_dim} wide")
+            raise cells.output_width_error(self.config.cell, out[0].shape[-1],
+                                           self.config.hidden_dim)
         # The state leaves in float32 whatever the layer computes in (a mixed policy): the
         # state carried between stream windows, checkpointed and exported is float32.
         seq, final = out[0], [tf.cast(s, tf.float32) for s in out[1:]]

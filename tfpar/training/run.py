@@ -202,7 +202,7 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     config = steps_per_execution(config, plugin)
     plugin.check_config(config)
     if config.model.custom_cell:  # a cell that cannot work fails before anything is written
-        cells.make_cell(config.model.cell, config.model.hidden_dim)
+        cells.probe(config.model.cell, config.model.hidden_dim, config.model.embed_dim)
     check_batch_sizes(config, plugin.num_replicas)
     # Read before the model dir is made: a corpus that cannot be read leaves nothing on disk.
     started = time.time()
