@@ -109,22 +109,52 @@ def test_the_example_cell_is_named_by_place_whatever_keras_counted_before():
 
 
 # ----------------------------------------------------------------------------- resume
-def test_a_stream_run_resumed_mid_epoch_ends_as_the_uninterrupted_one(cell_run, tmp_path,
+@pytest.mark.parametrize("cell", [THREE, EXAMPLE])
+def test_a_stream_run_resumed_mid_epoch_ends_as_the_uninterrupted_one(cell, cell_run, tmp_path,
                                                                       capsys):
-    out = tmp_path
-    args = cell_args(cell_run["corpus"], out, THREE, "--checkpoint-every", "3", "--no-export")
+    """3 steps, then a rerun to 6 that resumes from step 3: the weights and the carried
+    state of the uninterrupted 6 steps (which exported), and its valid perplexity."""
+    if cell == THREE:
+        straight_dir, straight_metrics = cell_run["model_dir"], cell_run["metrics"]
+    else:
+        straight = tmp_path / "straight"
+        assert train_main(cell_args(cell_run["corpus"], straight, cell, "--max-steps", "6",
+                                    "--checkpoint-every", "3")) == 0
+        straight_dir = straight / "run"
+        straight_metrics = json.loads((straight / "metrics.json").read_text())
+    assert os.path.isfile(os.path.join(straight_metrics["export_path"], "saved_model.pb"))
+    out = tmp_path / "resumed"
+    args = cell_args(cell_run["corpus"], out, cell, "--checkpoint-every", "3", "--no-export")
     assert train_main(args + ["--max-steps", "3"]) == 0
     capsys.readouterr()
     assert train_main(args + ["--max-steps", "6"]) == 0
     assert_resumed_from(capsys.readouterr().err, 3)
-    resumed, straight = checkpoint_tensors(out / "run"), checkpoint_tensors(
-        cell_run["model_dir"])
+    resumed, straight = checkpoint_tensors(out / "run"), checkpoint_tensors(straight_dir)
     assert resumed.keys() == straight.keys()
     for key in straight:
         np.testing.assert_allclose(resumed[key], straight[key], rtol=0, atol=1e-6,
                                    err_msg=key)
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["valid_ppl"] == pytest.approx(cell_run["metrics"]["valid_ppl"], rel=1e-6)
+    assert metrics["valid_ppl"] == pytest.approx(straight_metrics["valid_ppl"], rel=1e-6)
+
+
+def test_the_best_checkpoint_of_a_custom_cell_is_evaluated_and_fine_tuned_from(
+        cell_run, tmp_path, capsys):
+    """Two sentence-mode epochs: best/ holds the better epoch's weights, which the run's
+    final valid perplexity is of (--final-weights best); --weights best reproduces it."""
+    args = cell_args(cell_run["corpus"], tmp_path, THREE, "--mode", "sentence",
+                     "--batch-size", "64", "--epochs", "2", "--no-export")
+    assert train_main(args) == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert os.listdir(tmp_path / "run" / "best")
+    capsys.readouterr()
+    assert evaluate.main(["--model-dir", str(tmp_path / "run"), "--cell", THREE,
+                          "--weights", "best", "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)
+    assert best["perplexity"] == pytest.approx(metrics["valid_ppl"], rel=1e-6)
+    assert train_main(cell_args(cell_run["corpus"], tmp_path / "tuned", THREE,
+                                "--init-from", str(tmp_path / "run"), "--init-weights",
+                                "best", "--max-steps", "1", "--no-export")) == 0
 
 
 # ----------------------------------------------------------------------------- serving
