@@ -206,7 +206,7 @@ class CellRNN(keras.layers.RNN):
 # keras.layers.Layer.add_weight is replaced while a CellRNN builds (one at a time): the
 # only way to reach the initializers of a cell written by someone else, sub-layers
 # included. tests/test_cells.py fails when the replacement stops seeing them.
-_BUILDING = threading.Lock()
+_BUILDING = threading.RLock()  # re-entrant: a cell may hold a CellRNN of its own
 
 
 @contextlib.contextmanager
@@ -214,8 +214,6 @@ def role_seeded(seed: int, root: str):
     """While the block runs, every ``add_weight`` with a random, unseeded initializer
     draws from the stream of its role: the weight's path from ``root`` on
     (``rnn_0/cell/kernel``)."""
-    original = keras.layers.Layer.add_weight
-
     def add_weight(layer, *args, initializer=None, name=None, **kwargs):
         path = layer.path
         if initializer is None and not args[1:] and "float" in str(
@@ -229,6 +227,7 @@ def role_seeded(seed: int, root: str):
         return original(layer, *args, initializer=initializer, name=name, **kwargs)
 
     with _BUILDING:
+        original = keras.layers.Layer.add_weight
         keras.layers.Layer.add_weight = add_weight
         try:
             yield
