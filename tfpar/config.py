@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
 
 from tfpar.errors import ConfigError
@@ -20,6 +21,8 @@ from tfpar.errors import ConfigError
 MODES = ("sentence", "stream")
 LONG_SENTENCES = ("split", "truncate")
 CELLS = ("lstm", "gru")
+# --cell MODULE:NAME: a user's Keras RNN cell (tfpar.model.cells; tfpar/docs/cells.md).
+_CUSTOM_CELL = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")
 # Keras mixed-precision policies (tfpar.model.precision) and the CPU bf16 matmul option.
 MIXED_PRECISIONS = ("mixed_bfloat16", "mixed_float16")
 PRECISIONS = ("fp32", "bf16", *MIXED_PRECISIONS)
@@ -66,6 +69,21 @@ SPLIT_FRACTIONS = (0.9, 0.05, 0.05)
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"unknown {name} {value!r}; expected one of: {', '.join(allowed)}")
+
+
+def is_custom_cell(cell: str) -> bool:
+    """Whether ``--cell`` names a user's cell (``MODULE:NAME``) rather than a built-in."""
+    return ":" in cell
+
+
+def check_cell(cell: str) -> None:
+    """Raises ConfigError unless ``cell`` is lstm, gru or of the form MODULE:NAME (only
+    its form: nothing is imported here; tfpar.model.cells imports it)."""
+    if cell in CELLS or _CUSTOM_CELL.fullmatch(cell):
+        return
+    raise ConfigError(f"unknown cell {cell!r}; expected one of: {', '.join(CELLS)}, or "
+                      "MODULE:NAME for a Keras RNN cell of your own (e.g. "
+                      "tfpar.examples.layer_norm_lstm:LayerNormLSTMCell)")
 
 
 def check_tokenizer(name: str) -> None:
@@ -255,7 +273,13 @@ class DataConfig:
 class ModelConfig:
     """The RNN language model's architecture."""
 
-    cell: str = flag("lstm", "recurrent cell: lstm | gru")
+    cell: str = flag(
+        "lstm", "recurrent cell: lstm | gru | MODULE:NAME, your own Keras RNN cell: NAME in "
+        "the importable MODULE is a cell class or a factory, called with --hidden-dim, whose "
+        "cell has call(inputs, states) -> (output [B, H], new states) and a state_size of one "
+        "or several widths (e.g. tfpar.examples.layer_norm_lstm:LayerNormLSTMCell; runs "
+        "Keras' own loop, slower than the built-in cells: tfpar/docs/cells.md)",
+        metavar="CELL")
     layers: int = flag(2, "stacked recurrent layers")
     embed_dim: int = flag(200, "word embedding width")
     hidden_dim: int = flag(200, "recurrent state width of every layer")
@@ -316,7 +340,7 @@ class ModelConfig:
         metavar="ROWSxCOLUMNS")
 
     def __post_init__(self) -> None:
-        _choice("cell", self.cell, CELLS)
+        check_cell(self.cell)
         if self.softmax_blocks is not None:
             softmax_block_sizes(self.softmax_blocks)
         _choice("precision", self.precision, PRECISIONS)
@@ -341,6 +365,17 @@ class ModelConfig:
         if self.cell != "lstm" and self.forget_bias is not None:
             raise ConfigError(f"forget-bias {self.forget_bias!r} applies to the LSTM's "
                               f"forget gate; --cell {self.cell} has none: drop --forget-bias")
+        if self.custom_cell:
+            # Both act inside the built-in layers' recurrence, which a cell of one's own
+            # does not run (tfpar.model.layers).
+            if self.weight_drop:
+                raise ConfigError(f"weight-drop {self.weight_drop!r} drops the built-in "
+                                  f"cells' recurrent matrix; --cell {self.cell} is your own: "
+                                  "drop --weight-drop or use --cell lstm | gru")
+            if self.precision != "fp32":
+                raise ConfigError(f"precision {self.precision!r} needs a built-in cell; "
+                                  f"--cell {self.cell} runs in fp32: drop --precision or "
+                                  "use --cell lstm | gru")
 
     def check_vocab_size(self, vocab_size: int) -> None:
         """Raises ConfigError when the sampled softmax cannot draw ``num_sampled``
@@ -355,6 +390,11 @@ class ModelConfig:
         if self.softmax_blocks is None:
             return DEFAULT_SOFTMAX_BLOCKS
         return softmax_block_sizes(self.softmax_blocks)
+
+    @property
+    def custom_cell(self) -> bool:
+        """Whether ``cell`` names a user's cell (``MODULE:NAME``), not lstm or gru."""
+        return is_custom_cell(self.cell)
 
     @property
     def initial_forget_bias(self) -> float:

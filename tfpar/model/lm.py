@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 from tfpar.config import ModelConfig
+from tfpar.model import cells
 from tfpar.model.init import ForgetGateBias, initializer
 from tfpar.model.layers import FastGRU, FastLSTM
 from tfpar.model.noise import Noise, global_rows
@@ -69,8 +70,15 @@ class RNNLanguageModel(keras.Model):
             embeddings_initializer=init(EMBEDDING, "uniform"), **mixed,
         )
         # Keras' LSTM/GRU with a faster recurrence on CPUs (same weights and math; see
-        # tfpar.model.layers).
+        # tfpar.model.layers); a cell of one's own in Keras' loop (tfpar.model.cells).
         rnn_cls = FastLSTM if config.cell == "lstm" else FastGRU
+        # [w_0, w_1, ...]: each layer's state tensors are [B, w_k] (a tuple: Keras would
+        # track a list).
+        user_cells = [cells.make_cell(config.cell, config.hidden_dim)
+                      for _ in range(config.layers)] if config.custom_cell else []
+        self.state_widths = tuple(
+            cells.state_widths(config.cell, user_cells[0]) if user_cells
+            else [config.hidden_dim] * (2 if config.cell == "lstm" else 1))
         # Each layer is its own attribute, not a list element: Keras 3 keeps lists in
         # its own tracked collections, which tf.train.Checkpoint does not see, so layers
         # held only in a list would silently be left out of every checkpoint.
@@ -81,6 +89,11 @@ class RNNLanguageModel(keras.Model):
                      if config.cell == "lstm" else {})
         for i in range(config.layers):
             name = rnn_name(i)
+            if config.custom_cell:
+                setattr(self, name, cells.CellRNN(
+                    user_cells[i], seed=seed,
+                    return_sequences=True, return_state=True, name=name))
+                continue
             setattr(self, name, rnn_cls(
                 config.hidden_dim, return_sequences=True, return_state=True, name=name,
                 matmul_dtype=None if policy is not None else matmul_dtype, **mixed,
@@ -130,8 +143,9 @@ class RNNLanguageModel(keras.Model):
 
     @property
     def state_size(self) -> int:
-        """Tensors of state per layer: 2 for LSTM (h, c), 1 for GRU."""
-        return 2 if self.config.cell == "lstm" else 1
+        """Tensors of state per layer: 2 for LSTM (h, c), 1 for GRU, a custom cell's
+        ``len(state_widths)``."""
+        return len(self.state_widths)
 
     def embed(self, inputs, training=False, rows=None):
         """[B, T] ids → ([B, T, E] vectors, [B, T] bool mask).
@@ -157,6 +171,9 @@ class RNNLanguageModel(keras.Model):
     def run_rnn(self, i: int, x, mask, state=None, training=False, rows=None):
         """Layer ``i``: [B, T, D] → ([B, T, H], its final state as a list)."""
         out = self.rnns[i](x, mask=mask, initial_state=state, training=training)
+        if out[0].shape[-1] != self.config.hidden_dim:  # a custom cell's output_size lied
+            raise cells.output_width_error(self.config.cell, out[0].shape[-1],
+                                           self.config.hidden_dim)
         # The state leaves in float32 whatever the layer computes in (a mixed policy): the
         # state carried between stream windows, checkpointed and exported is float32.
         seq, final = out[0], [tf.cast(s, tf.float32) for s in out[1:]]

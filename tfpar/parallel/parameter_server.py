@@ -249,6 +249,11 @@ class Coordinator:
                 f"{self.num_workers} worker(s), {self.cluster.count('ps')} ps task(s)")
 
     def check_config(self, config) -> None:
+        if config.model.custom_cell:
+            raise ConfigError(f"--cell {config.model.cell}: parameter_server's partitioner "
+                              "may shard a cell's weights along rows the cell does not know "
+                              "of; train a cell of your own with a synchronous strategy "
+                              "(default, mirrored, tower, parallel_do, pipeline, multi_worker)")
         if config.data.mode == "stream":
             raise ConfigError("--mode stream carries the RNN state from one window to the next, "
                               "which asynchronous workers cannot do; use --mode sentence with "

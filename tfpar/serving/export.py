@@ -34,7 +34,9 @@ the model as the asset ``vocab.txt`` (line number = id). The tokenizer of the ru
 (``whitespace``, ``punct`` or ``char``; ``tfpar.data.tokenize``) is traced into ``score``
 and ``generate``, so a reloaded model splits and joins text as its training did without
 being told; its name is the string variable ``tokenizer`` of the loaded object. Loading
-needs only TensorFlow:
+needs only TensorFlow, for a model with a cell of one's own (``--cell MODULE:NAME``) too:
+its step is traced into the signatures' graphs, and ``MODULE`` is never imported to serve
+them (a cell that calls Python is refused at export: :func:`check_servable`):
 ``tf.saved_model.load(path).signatures["score"](text=tf.constant(["a b"]))``.
 """
 
@@ -155,6 +157,30 @@ class LanguageModelModule(tf.Module):
                 "generate": self.generate}
 
 
+# Ops that call back into the Python process that traced them (tf.py_function,
+# tf.numpy_function): a SavedModel holds their name, not their code.
+PYTHON_OPS = ("EagerPyFunc", "PyFunc", "PyFuncStateless")
+
+
+def check_servable(module: LanguageModelModule) -> None:
+    """Raises CheckpointError when a signature of ``module`` would call Python: a
+    SavedModel's signatures are graphs served by TensorFlow alone, with no import of the
+    code that made them (a custom cell's module included), which such an op breaks.
+
+    Traces the signatures (``tf.saved_model.save`` reuses the traces).
+    """
+    for name, function in module.signatures().items():
+        graph = function.get_concrete_function().graph.as_graph_def()
+        nodes = [*graph.node, *(n for f in graph.library.function for n in f.node_def)]
+        found = sorted({n.op for n in nodes if n.op in PYTHON_OPS})
+        if found:
+            raise CheckpointError(
+                f"--cell {module.model.config.cell} cannot be exported: its step calls Python "
+                f"({found[0]}, from tf.py_function or tf.numpy_function) in the {name!r} "
+                "signature, which a SavedModel cannot serve without this process; write the "
+                "cell in TensorFlow ops, or train with --no-export; nothing was written")
+
+
 def next_version(base: str) -> int:
     """1 + the largest integer folder name in ``base`` (1 when there is none)."""
     if not tf.io.gfile.isdir(base):
@@ -211,11 +237,21 @@ def export_model(model, vocab: Vocab, run: RunConfig) -> str:
         # The signatures are traced here, with no device set: on a GPU host the layers
         # would bake in cuDNN's op, which has no CPU kernel. Trained on GPUs, served on CPUs.
         with portable_recurrence():
+            check_servable(module)
             tf.saved_model.save(module, out, signatures=module.signatures())
         final = _rename_to_next_version(out, base)
     except (OSError, tf.errors.OpError) as e:
         raise CheckpointError(
             f"export to {base!r} failed: {_one_line(e)}; nothing was written") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        if not model.config.custom_cell:
+            raise
+        # What tf.saved_model.save cannot hold of a user's cell (an attribute it cannot
+        # track or trace).
+        raise CheckpointError(
+            f"--cell {model.config.cell} cannot be exported to a SavedModel: "
+            f"{_one_line(e)}; keep the cell's state in weights and its step in TensorFlow "
+            "ops, or train with --no-export; nothing was written") from None
     finally:
         with contextlib.suppress(tf.errors.OpError):
             tf.io.gfile.rmtree(staging)

@@ -24,8 +24,9 @@ from typing import Sequence
 from tfpar.config import Config, DataConfig, parse_fractions
 from tfpar.errors import ConfigError
 from tfpar.tools import cli
-from tfpar.tools.model_dir import (add_weights_flag, check_weights, checkpoint_path,
-                                   restore_weights, stored_run)
+from tfpar.tools.model_dir import (add_cell_flag, add_weights_flag, check_cell_named,
+                                   check_weights, checkpoint_path, restore_weights,
+                                   stored_run)
 from tfpar.tools.parsing import Parser
 
 SPLITS = ("train", "valid", "test")
@@ -54,6 +55,7 @@ def parser(prog: str = "tfpar-evaluate") -> argparse.ArgumentParser:
                    help="--model with synthetic data: the training run's --seed")
     p.add_argument("--split", default="valid", choices=SPLITS, help="(default: %(default)s)")
     add_weights_flag(p)
+    add_cell_flag(p)
     p.add_argument("--batch-size", type=int, default=0,
                    help="global eval batch (default: the run's, or 64 with --model)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -66,6 +68,7 @@ def evaluate_model_dir(args) -> dict:
     """Rebuilds the run's model from its ``--weights`` checkpoint and evaluates it like
     training."""
     config, vocab_path = stored_run(args.model_dir)
+    check_cell_named(config, args.cell, args.model_dir)
     data_fields = {k: v for k, v in (("source", args.data), ("input_dir", args.input_dir))
                    if v is not None}
     if args.split_fractions is not None:

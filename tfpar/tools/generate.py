@@ -22,7 +22,8 @@ from typing import Sequence
 
 from tfpar.errors import ConfigError
 from tfpar.tools.cli import run_main, setup_logging
-from tfpar.tools.model_dir import add_weights_flag, check_weights, restored_model
+from tfpar.tools.model_dir import (add_cell_flag, add_weights_flag, check_weights,
+                                   restored_model)
 from tfpar.tools.parsing import Parser
 
 DESCRIPTION = "Continue prompts with an exported SavedModel or a training run's weights."
@@ -37,6 +38,7 @@ def parser(prog: str = "tfpar-generate") -> argparse.ArgumentParser:
     which.add_argument("--model-dir", help="a training run's model dir (config.json, "
                                            "vocab.txt, checkpoints/, best/)")
     add_weights_flag(p)
+    add_cell_flag(p)
     p.add_argument("--prompt", action="append", default=None,
                    help="text to continue, split by the model's own tokenizer (words, or "
                         "characters for a char model); repeat for several (default: one "
@@ -66,14 +68,15 @@ def check(args: argparse.Namespace) -> None:
     check_weights(args)
 
 
-def model_dir_module(model_dir: str, weights: str):
+def model_dir_module(model_dir: str, weights: str, cell: str | None = None):
     """What the export of the run's ``weights`` would hold, in memory: a
-    :class:`~tfpar.serving.export.LanguageModelModule` around the restored model."""
+    :class:`~tfpar.serving.export.LanguageModelModule` around the restored model
+    (``cell``: the command line's ``--cell``)."""
     import logging
 
     from tfpar.serving.export import LanguageModelModule
 
-    model, vocab, path = restored_model(model_dir, weights)
+    model, vocab, path = restored_model(model_dir, weights, cell)
     logging.getLogger(__name__).info("weights: %s (%s)", path, weights)
     return LanguageModelModule(model, os.path.join(model_dir, "vocab.txt"),
                                tokenizer=vocab.tokenizer)
@@ -89,7 +92,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         from tfpar.serving import export
 
         if args.model_dir:
-            loaded = model_dir_module(args.model_dir, args.weights)
+            loaded = model_dir_module(args.model_dir, args.weights, args.cell)
         else:
             loaded, _ = export.load_saved_model(args.model)
         prompts = args.prompt or [""]

@@ -13,10 +13,12 @@ import argparse
 
 from tfpar.errors import ConfigError
 # Read back in the training layer, where a fine-tuning run (--init-from) reads it too.
-from tfpar.training.stored import WEIGHTS, checkpoint_path, restore_weights, stored_run
+from tfpar.training.stored import (WEIGHTS, check_cell_named, checkpoint_path,
+                                   restore_weights, stored_run)
 
-__all__ = ["WEIGHTS", "add_weights_flag", "check_weights", "checkpoint_path",
-           "restore_weights", "restored_model", "stored_run"]
+__all__ = ["WEIGHTS", "add_cell_flag", "add_weights_flag", "check_cell_named",
+           "check_weights", "checkpoint_path", "restore_weights", "restored_model",
+           "stored_run"]
 
 
 def add_weights_flag(p: argparse.ArgumentParser) -> None:
@@ -26,25 +28,39 @@ def add_weights_flag(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
 
 
+def add_cell_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cell", default=None, metavar="MODULE:NAME",
+                   help="--model-dir of a run trained with --cell MODULE:NAME: the same "
+                        "MODULE:NAME, which lets this command import that code (a model "
+                        "dir's config.json alone never makes it import anything; a "
+                        "SavedModel, --model, needs no import)")
+
+
 def check_weights(args: argparse.Namespace) -> None:
     """ConfigError for ``--weights best`` with ``--model``: a SavedModel holds one set."""
+    if args.model and getattr(args, "cell", None) is not None:
+        raise ConfigError(f"--cell {args.cell} applies to --model-dir only; a SavedModel "
+                          "(--model) serves its cell without importing any code")
     if args.model and args.weights != "latest":
         raise ConfigError(f"--weights {args.weights} applies to --model-dir only; a SavedModel "
                           "(--model) holds the weights it was exported with")
 
 
-def restored_model(model_dir: str, weights: str):
+def restored_model(model_dir: str, weights: str, cell: str | None = None):
     """The run's model outside any strategy, built as the export builds it, with the
-    ``weights`` restored; returns ``(model, vocab, checkpoint path)``.
+    ``weights`` restored; returns ``(model, vocab, checkpoint path)``. ``cell``: the
+    command line's ``--cell`` (:func:`check_cell_named`).
 
     Raises:
       CheckpointError: not a run, no such checkpoint, or one that does not fit.
+      ConfigError: the run's cell is a user's one the command line does not name.
     """
     from tfpar.data.vocab import Vocab
     from tfpar.model.lm import build_model
     from tfpar.training.state import named_weights
 
     config, vocab_path = stored_run(model_dir)
+    check_cell_named(config, cell, model_dir)
     path = checkpoint_path(model_dir, weights)
     vocab = Vocab.load(vocab_path, tokenizer=config.data.tokenizer)
     model = build_model(config.model, len(vocab), seed=config.train.seed)

@@ -624,6 +624,9 @@ def parser(prog: str = "tfpar-verify") -> argparse.ArgumentParser:
     p.add_argument("--hidden-dim", type=int, default=32, help="LSTM width (default: %(default)s)")
     p.add_argument("--embed-dim", type=int, default=32, help="embedding width (default: %(default)s)")
     p.add_argument("--layers", type=int, default=1, help="LSTM layers (default: %(default)s)")
+    p.add_argument("--cell", default="lstm", metavar="CELL",
+                   help="lstm | gru | MODULE:NAME, a Keras RNN cell of your own, as "
+                        "tfpar-train's --cell (default: %(default)s)")
     p.add_argument("--dropout", type=float, default=0.0,
                    help="dropout on the embedding output, between layers and before the "
                         "softmax (default 0: off)")
@@ -663,7 +666,7 @@ def spec_from_args(a: argparse.Namespace) -> VerifySpec:
         strategies=parse_strategies(a.strategies), steps=a.steps, batch_size=a.batch_size,
         mode=a.mode, clip_norm=a.clip_norm, lr=a.lr, momentum=a.momentum, tolerance=a.tolerance,
         eval_tolerance=a.eval_tolerance, seed=a.seed, embed_dim=a.embed_dim,
-        hidden_dim=a.hidden_dim, layers=a.layers, dropout=a.dropout,
+        hidden_dim=a.hidden_dim, layers=a.layers, cell=a.cell, dropout=a.dropout,
         locked_dropout=a.locked_dropout, embed_dropout=a.embed_dropout,
         weight_drop=a.weight_drop, softmax=a.softmax, tie_embeddings=a.tie_embeddings,
         precision=a.precision,

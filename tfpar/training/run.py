@@ -40,6 +40,7 @@ from tfpar.data.pipeline import InputData
 from tfpar.data.sources import LoadedCorpus, load_corpus
 from tfpar.data.vocab import Vocab, train_counts
 from tfpar.errors import ConfigError
+from tfpar.model import cells
 from tfpar.objective.losses import perplexity
 from tfpar.parallel.registry import ASYNCHRONOUS, build_strategy
 from tfpar.parallel import parameter_server
@@ -51,7 +52,8 @@ from tfpar.training.async_loop import AsyncLoop
 from tfpar.training.loop import Loop, evaluate
 from tfpar.training.schedule import ema_momentum, optimizer_factory
 from tfpar.training.state import build_train_state, named_weights
-from tfpar.training.stored import checkpoint_path, checkpoint_step, restore_weights, stored_run
+from tfpar.training.stored import (check_cell_named, checkpoint_path, checkpoint_step,
+                                   restore_weights, stored_run)
 from tfpar.objective.output import output_loss
 from tfpar.objective.step import make_eval_step, make_train_step
 from tfpar.training.runner import make_train_steps
@@ -109,6 +111,9 @@ def init_source(config: Config) -> tuple[Config, str | None]:
         os.path.join(run.model_dir, "checkpoints")) is not None
     source = run.model_dir if resuming else run.init_from
     stored, vocab = stored_run(source, "--model-dir" if resuming else "--init-from")
+    if stored.model.custom_cell:  # its code is imported only when this run names it too
+        check_cell_named(stored, config.model.cell if config.model.custom_cell else None,
+                         source, "--model-dir" if resuming else "--init-from")
     path = None if resuming else checkpoint_path(run.init_from, run.init_weights,
                                                  "--init-from", "--init-weights")
     fields = (*MODEL_SHAPE, "num_sampled")
@@ -196,6 +201,8 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
     log.info("strategy %s", plugin.describe())
     config = steps_per_execution(config, plugin)
     plugin.check_config(config)
+    if config.model.custom_cell:  # a cell that cannot work fails before anything is written
+        cells.probe(config.model.cell, config.model.hidden_dim, config.model.embed_dim)
     check_batch_sizes(config, plugin.num_replicas)
     # Read before the model dir is made: a corpus that cannot be read leaves nothing on disk.
     started = time.time()

@@ -20,7 +20,8 @@ strategy's scope, so the variables land where the strategy wants them. A checkpo
                           learning-rate factor --lr-decay-on-plateau has reached
     (no RNG state: dropout masks are a function of the step, tfpar.model.noise)
     carry/rnn_<i>:<k>     stream mode: the recurrent state the next window starts from,
-                          [global batch, hidden] (k: 0 = h, 1 = c for LSTMs), so a run
+                          [global batch, w_k] (k: 0 = h, 1 = c for LSTMs, both hidden
+                          wide; a custom cell's state_size gives its widths), so a run
                           resumed mid-epoch carries on exactly, under any strategy
 """
 
@@ -65,7 +66,7 @@ class TrainState:
     optimizer: keras.optimizers.Optimizer | None
     epoch: tf.Variable  # int64 scalar: epochs finished
     batch_in_epoch: tf.Variable  # int64 scalar: batches of the current epoch consumed
-    # Stream mode: the carried state, one [B, H] variable per layer and state part
+    # Stream mode: the carried state, one [B, w_k] variable per layer and state part
     # (empty in sentence mode). Written just before each checkpoint (the loop does).
     carry: list[list[tf.Variable]] = dataclasses.field(default_factory=list)
     selection: Selection | None = None
@@ -193,8 +194,8 @@ def build_train_state(scope: contextlib.AbstractContextManager, model_config: Mo
             optimizer.build(model.trainable_variables)
     # Plain host variables, outside the strategy: they hold the global batch's state.
     with tf.device("/cpu:0"):
-        carry = [[tf.Variable(tf.zeros([carry_rows, model_config.hidden_dim]),
+        carry = [[tf.Variable(tf.zeros([carry_rows, width]),
                               trainable=False, name=f"carry_{i}_{k}")
-                  for k in range(model.state_size)]
+                  for k, width in enumerate(model.state_widths)]
                  for i in range(model_config.layers)] if carry_rows else []
     return TrainState(model, optimizer, epoch, batch_in_epoch, carry, selection)

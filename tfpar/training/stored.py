@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import os
 
-from tfpar.config import Config
-from tfpar.errors import CheckpointError
+from tfpar.config import Config, is_custom_cell
+from tfpar.errors import CheckpointError, ConfigError
 
 # The folder of the model dir each choice of weights reads its checkpoint from
 # (checkpoints.Checkpointer's directory and best_directory).
@@ -47,6 +47,29 @@ def stored_run(model_dir: str, flag: str = "--model-dir") -> tuple[Config, str]:
             raise CheckpointError(f"{flag} {model_dir!r} has no {os.path.basename(needed)};"
                                   " give the model dir of a tfpar training run")
     return Config.from_json(files.read_text(path)), vocab
+
+
+def check_cell_named(stored: Config, named: str | None, model_dir: str,
+                     flag: str = "--model-dir") -> None:
+    """A model dir names code: a run trained with ``--cell MODULE:NAME`` has it in its
+    config.json. That code is imported only when the command line names the same cell
+    (``named``, its ``--cell``), never on the model dir's word alone.
+
+    Raises:
+      ConfigError: the run's cell is a user's and ``named`` is not it, or ``named`` is
+        another cell than the run's.
+    """
+    cell = stored.model.cell
+    if named is None:
+        if is_custom_cell(cell):
+            raise ConfigError(
+                f"{flag} {model_dir!r} was trained with --cell {cell}, code that is not "
+                f"imported on a model dir's word: add --cell {cell} to import it (its "
+                "SavedModel, --model, needs no import)")
+        return
+    if named != cell:
+        raise ConfigError(f"--cell {named} is not the cell of {flag} {model_dir!r}, which "
+                          f"was trained with --cell {cell}; give --cell {cell}")
 
 
 def checkpoint_path(model_dir: str, weights: str, flag: str = "--model-dir",
