@@ -75,14 +75,14 @@ def test_the_run_reports_and_exports_the_average_and_every_tool_reads_it(average
     assert served == pytest.approx(metrics["valid_ppl"], rel=1e-5)
     # ... and they are not the last step's weights: with the average dropped from the
     # checkpoint, the same tool scores another perplexity.
-    from tfpar.training import stored
+    from tfpar.training import state
 
-    real = stored.average_key
+    real = state.average_slot
     try:
-        stored.average_key = lambda name: "no such key"
+        state.average_slot = lambda name: "no such slot"
         last = perplexity(["--model-dir", str(run["dir"] / "run")])
     finally:
-        stored.average_key = real
+        state.average_slot = real
     assert abs(last - metrics["valid_ppl"]) > 1e-4 * metrics["valid_ppl"]  # (100x the match)
 
 

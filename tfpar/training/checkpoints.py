@@ -33,6 +33,7 @@ from tfpar.config import Config, resume_conflicts
 from tfpar.data.vocab import VOCAB_FILE, Vocab, first_difference
 from tfpar.errors import CheckpointError, ConfigError
 from tfpar.parallel.registry import ASYNCHRONOUS
+from tfpar.training.state import average_slot
 
 log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
@@ -394,11 +395,25 @@ class WriterLock:
         return ""
 
 
+def holds_averages(path: str) -> bool:
+    """Whether checkpoint ``path`` holds moving averages of the weights (moments/*_average).
+    (The reader takes the prefix as it is: ``tf.train.list_variables`` takes a ram://
+    prefix for a directory.)"""
+    keys = tf.compat.v1.train.NewCheckpointReader(path).get_variable_to_shape_map()
+    return any(k.startswith("moments/") and "_average/" in k for k in keys)
+
+
 class Checkpointer:
     """Saves and restores the training state; only the chief writes."""
 
     def __init__(self, model_dir: str, is_chief: bool, keep: int, **trackables):
         self.checkpoint = tf.train.Checkpoint(**trackables)
+        self.trackables = trackables
+        # The optimizer's moving averages of the weights (--ema-momentum), by weight name.
+        moments = trackables.get("moments", {})
+        self.averages = {name: (weight, moments[average_slot(name)])
+                         for name, weight in trackables.get("layers", {}).items()
+                         if average_slot(name) in moments}
         self.directory = os.path.join(model_dir, "checkpoints")
         self.is_chief = is_chief
         self.manager = tf.train.CheckpointManager(self.checkpoint, self.directory, keep)
@@ -415,7 +430,11 @@ class Checkpointer:
         """
         for path in reversed(self.manager.checkpoints):
             try:
-                self.checkpoint.restore(path).assert_existing_objects_matched()
+                status = self.checkpoint.restore(path)
+                if self.averages and not holds_averages(path):
+                    self.start_averages(status, path)
+                else:
+                    status.assert_existing_objects_matched()
             except (tf.errors.OpError, ValueError, AssertionError, IndexError, OSError) as e:
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 log.warning("checkpoint %s is unreadable (%s); trying the previous one",
@@ -430,6 +449,17 @@ class Checkpointer:
                 f"no readable checkpoint in {self.directory} (tried "
                 f"{len(self.manager.checkpoints)}); remove the folder to start afresh")
         return None
+
+    def start_averages(self, status, path: str) -> None:
+        """A checkpoint written without a moving average (before --ema-momentum, or with
+        it 0), resumed by a run that keeps one: all but the optimizer must match (asserted
+        on a second read), the averages start from the weights just read."""
+        status.expect_partial()
+        rest = {k: v for k, v in self.trackables.items() if k not in ("optimizer", "moments")}
+        tf.train.Checkpoint(**rest).restore(path).assert_existing_objects_matched()
+        for weight, average in self.averages.values():
+            average.assign(weight)
+        log.info("%s holds no moving average of the weights: it starts from them here", path)
 
     @property
     def best_directory(self) -> str:

@@ -147,6 +147,12 @@ def named_weights(model) -> dict[str, tf.Variable]:
             if v.path.startswith(prefix)}
 
 
+def average_slot(name: str) -> str:
+    """The optimizer's slot holding the moving average of weight ``name``
+    ("rnn_0:lstm_cell:kernel" → "rnn_0_lstm_cell_kernel_average", saved under moments/)."""
+    return f"{name.replace(':', '_')}_average"
+
+
 def optimizer_slots(optimizer, model_name: str) -> dict[str, tf.Variable]:
     """``{"rnn_0_lstm_cell_kernel_momentum": slot, ...}``: the optimizer's per-weight
     variables (not its step count or learning rate)."""

@@ -109,21 +109,17 @@ def restore_weights(layers: dict, path: str) -> None:
     """
     import tensorflow as tf
 
+    from tfpar.training.state import average_slot
+
     try:
         tf.train.Checkpoint(layers=layers).restore(path) \
             .expect_partial().assert_existing_objects_matched()
-        reader = tf.train.load_checkpoint(path)
-        for name, variable in layers.items():
-            key = average_key(name)
-            if reader.has_tensor(key):
-                variable.assign(reader.get_tensor(key))
+        # The averages, where the run kept them, over the weights just read (matched by
+        # the checkpoint's object graph, so any file system the checkpoint is on works).
+        tf.train.Checkpoint(moments={average_slot(name): variable
+                                     for name, variable in layers.items()}) \
+            .restore(path).expect_partial()
     except (AssertionError, ValueError, tf.errors.OpError) as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"checkpoint {path!r} does not fit the model its config.json "
                               f"describes: {reason}") from None
-
-
-def average_key(name: str) -> str:
-    """The checkpoint key of the moving average of weight ``name`` ("rnn_0:lstm_cell:kernel"
-    → the optimizer's slot "rnn_0_lstm_cell_kernel_average", saved under moments/)."""
-    return f"moments/{name.replace(':', '_')}_average/.ATTRIBUTES/VARIABLE_VALUE"
