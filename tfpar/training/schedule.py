@@ -85,9 +85,10 @@ def optimizer_factory(train: TrainConfig, num_replicas: int, precision: str = "f
                                  train.decay_after, train.warmup_steps, epoch, lr_scale)
         kinds = {"sgd": keras.optimizers.SGD, "adagrad": keras.optimizers.Adagrad,
                  "adam": keras.optimizers.Adam}
+        averaging = {"use_ema": True, "ema_momentum": ema} if ema else {}
         optimizer = kinds[train.optimizer](learning_rate=schedule,
                                            weight_decay=train.weight_decay or None,
-                                           use_ema=ema > 0, ema_momentum=ema or 0.99)
+                                           **averaging)
         return with_loss_scaling(optimizer, precision)
 
     return make
