@@ -11,18 +11,23 @@ uninterrupted run; one line per kill with the phase it hit, then a summary line.
 ``matrix``: a checkpoint written under one strategy / device count resumes under
 another; a markdown table of max |Δ| against an uninterrupted default run per mode.
 Exit status 0 when everything is exact (or within --tolerance), 1 when not, 2 on a
-usage error. The logic lives in ``tfpar.tools.faults``; ``--help`` on each subcommand
-lists its flags.
+usage error. The logic lives in ``tests/faults.py`` (the suite's fault injection, not part
+of the installed package: it runs this clone's ``scripts/train.py``); ``--help`` on each
+subcommand lists its flags.
 """
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+# Ahead of scripts/ (first on the path when this file runs as a script), whose faults.py
+# is this file: `import faults` must find tests/faults.py.
+sys.path.insert(0, str(REPO / "tests"))
 
 
 def main(argv=None) -> int:
-    from tfpar.tools.faults import main as faults_main
+    from faults import main as faults_main
 
     return faults_main(argv)
 

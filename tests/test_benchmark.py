@@ -525,14 +525,14 @@ def test_sampled_softmax_run_times_both_vocabularies_and_evaluates_with_the_full
     assert "full softmax over 600 words" in printed.getvalue()
 
 
-# ------------------------------------------------ the GPU suite's tokens/s (bench.gpus)
+# ------------------------------------------------ the GPU suite's tokens/s (bench_gpus)
 def test_device_scaling_times_mirrored_on_one_device_and_on_two_with_rows_per_device():
     """The GPU suite's measurement, on this host's logical CPUs in place of GPUs: each
     contender trains mirrored over its devices with the same rows per device (weak
     scaling), several steps per call, and its tokens per step are its global batch's
     (stream mode: every position a token), so the larger contender really trained the
     larger batch on its devices. No time is asserted."""
-    from tfpar.tools.bench.gpus import device_scaling, format_line
+    from bench_gpus import device_scaling, format_line
 
     setup = load_setup(tiny_spec(rounds=1, steps=4))
     results = device_scaling(setup, {"one": ["/cpu:0"], "two": ["/cpu:0", "/cpu:1"]},

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from tfpar.tools import faults
+import faults
 
 
 def load_script():

@@ -365,7 +365,7 @@ def test_faults_cpu_hog_runs_a_hog_for_the_kill_test(hog, tmp_path, monkeypatch,
     are replaced by a failing stub: the kill test itself takes minutes.)"""
     import subprocess
 
-    from tfpar.tools import faults
+    import faults
 
     started = []
 
@@ -401,7 +401,7 @@ def script_parsers() -> dict[str, argparse.ArgumentParser]:
     """The parser of every command but tfpar-benchmark, and of scripts/faults.py."""
     import importlib
 
-    from tfpar.tools import faults
+    import faults
     from tfpar.tools.commands import COMMANDS
 
     parsers = {name: importlib.import_module(module).parser()

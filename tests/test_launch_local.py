@@ -16,7 +16,7 @@ import time
 import pytest
 
 from conftest import PINNED, REPO, write_sharded_corpus
-from tfpar.tools.faults import checkpoint_tensors, compare_tensors
+from faults import checkpoint_tensors, compare_tensors
 
 LAUNCH = os.path.join(REPO, "scripts", "launch_local.py")
 

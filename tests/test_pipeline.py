@@ -473,7 +473,7 @@ def test_pipeline_plugin_without_a_model_has_no_stages():
 
 # ----------------------------------------------------------------- benchmark
 def test_pipeline_sweep_rows_and_measured_overlap():
-    from tfpar.tools import bench_pipeline
+    import bench_pipeline
 
     rows = bench_pipeline.pipeline_sweep(
         (1, 2), stages=TWO, batch_size=6, seq_len=4, vocab_size=30, embed_dim=8,
@@ -495,7 +495,7 @@ def test_pipeline_sweep_rows_and_measured_overlap():
 
 
 def test_bench_main_rejects_bad_micro_batches(capsys):
-    from tfpar.tools import bench_pipeline
+    import bench_pipeline
 
     assert bench_pipeline.main(["--micro-batches", "1,two"]) == 2
     assert capsys.readouterr().err.strip() == (

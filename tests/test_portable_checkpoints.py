@@ -13,8 +13,8 @@ import pytest
 import tensorflow as tf
 
 from conftest import PINNED, REPO, assert_resumed_from, resumed_steps
+from faults import checkpoint_tensors
 from tfpar.tools.cli import train_main
-from tfpar.tools.faults import checkpoint_tensors
 
 STRATEGIES = {
     "default": ["--strategy", "default"],
@@ -73,7 +73,7 @@ def tensors_at(model_dir, step):
     """:func:`checkpoint_tensors` of ``model_dir``'s checkpoint of ``step``."""
     import tensorflow as tf
 
-    from tfpar.tools.faults import BOOKKEEPING
+    from faults import BOOKKEEPING
 
     reader = tf.train.load_checkpoint(str(model_dir / "checkpoints" / f"ckpt-{step}"))
     keys = sorted(k for k in reader.get_variable_to_shape_map() if not k.startswith(BOOKKEEPING))

@@ -15,9 +15,9 @@ import pytest
 import tensorflow as tf
 
 from conftest import PINNED, assert_resumed_from
+from faults import (checkpoint_tensors, compare_tensors, latest_step,
+                    start_train, write_tiny_corpus)
 from tfpar.tools.cli import train_main
-from tfpar.tools.faults import (checkpoint_tensors, compare_tensors, latest_step,
-                                start_train, write_tiny_corpus)
 
 
 def run_args(corpus, tmp, name, steps=60):

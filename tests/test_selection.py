@@ -14,9 +14,9 @@ import pytest
 import tensorflow as tf
 
 from conftest import PINNED
+from faults import checkpoint_tensors
 from tfpar.tools import plot
 from tfpar.tools.cli import train_main
-from tfpar.tools.faults import checkpoint_tensors
 from tfpar.training import loop, run  # noqa: F401 (run binds the real evaluate first)
 
 SCRIPTED = [10.0, 9.0, 9.5, 9.7, 9.9, 9.8]  # below the real ~40: best stays best

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from tfpar.tools.cli import train_main
-from tfpar.tools.faults import checkpoint_tensors
 from test_summaries import read_events
 from conftest import PINNED, REPO, assert_resumed_from, small_config, train_config
+from faults import checkpoint_tensors
 
 STRATEGIES = {
     "default": [],

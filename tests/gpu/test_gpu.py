@@ -19,13 +19,13 @@ import pytest
 import tensorflow as tf
 
 from conftest import PINNED, assert_resumed_from, model_config
+from faults import checkpoint_tensors
 from test_export import WITHOUT_TFPAR, saved_op_types
 from test_precision import loss_scale_run
 from tfpar.model import layers
 from tfpar.model.lm import build_model
 from tfpar.objective.losses import nll_sum_and_count
 from tfpar.tools.cli import train_main
-from tfpar.tools.faults import checkpoint_tensors
 from tfpar.tools.verify import TOLERANCES
 
 pytestmark = pytest.mark.gpu
@@ -173,7 +173,7 @@ def test_a_run_killed_on_the_gpus_and_resumed_ends_equal_to_an_uninterrupted_one
     (``tf.config.experimental.enable_op_determinism``: the same GPUs, the same software);
     tfpar/docs/gpu.md says what is not promised without it."""
     from test_reliability import assert_same_tensors, has_checkpoint, make_corpus, wait_for
-    from tfpar.tools.faults import compare_tensors, latest_step, start_train
+    from faults import compare_tensors, latest_step, start_train
 
     corpus = make_corpus(tmp_path)
     whole = start_train(resume_args(corpus, tmp_path, "whole"))
@@ -350,12 +350,12 @@ def test_tokens_per_second_of_cudnn_and_of_the_fast_recurrence(monkeypatch):
 
 
 def test_tokens_per_second_of_mirrored_on_one_gpu_and_on_every_gpu(record_testsuite_property):
-    """The benchmark's machinery (tfpar.tools.bench.gpus) on the GPUs: its model
+    """The benchmark's machinery (tests/bench_gpus.py) on the GPUs: its model
     (ptb_word_lm's small one: 2 layers of 200, a 10k vocabulary; the generated corpus
     where ../shared/data/ptb is missing), 64 rows per GPU, training's 20 steps per call
     on GPUs, 3 interleaved rounds of 40 steps. A measurement for the report: no time is
     asserted, only that each contender trained on the GPUs it was given."""
-    from tfpar.tools.bench.gpus import device_scaling, format_line
+    from bench_gpus import device_scaling, format_line
     from tfpar.tools.bench.spec import quick_spec
     from tfpar.tools.bench.workload import load_setup
     from tfpar.training.run import GPU_STEPS_PER_EXECUTION

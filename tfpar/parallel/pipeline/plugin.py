@@ -31,8 +31,8 @@ checks the traced graph for any other), and TensorFlow's executor runs whatever 
 its inputs on an idle inter-op thread. A profile shows it taking micro-batches out of
 order and starting B_j as soon as F_j is done on every later stage (a 1F1B-like order);
 the sums of the gradients do not depend on the order. Overlap needs 2+ inter-op threads
-(``tf.config.threading``; TF's default is one per core); ``python -m
-tfpar.tools.bench_pipeline`` measures it.
+(``tf.config.threading``; TF's default is one per core); ``tests/bench_pipeline.py``
+(in a clone) measures it.
 
 The loss of micro-batch j is ``nll_sum_j / N`` with N the real-token count of the whole
 global batch, so the sum of the micro-batches' gradients is the whole batch's gradient.

@@ -1,7 +1,7 @@
 """How much the pipeline's micro-batches overlap: step time for M = 1, 2, 4, 8.
 
-    python -m tfpar.tools.bench_pipeline                      # 2 logical CPUs, prints a table
-    python -m tfpar.tools.bench_pipeline --micro-batches 1,2,4,8,16 --hidden-dim 512
+    python tests/bench_pipeline.py                          # 2 logical CPUs, prints a table
+    python tests/bench_pipeline.py --micro-batches 1,2,4,8,16 --hidden-dim 512
 
 For each M, :func:`pipeline_sweep` trains the same model on the same fixed batch with the
 pipeline plug-in (stages on two devices) and reports the median step time next to the
@@ -248,7 +248,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def parser() -> argparse.ArgumentParser:
     p = Parser(
-        allow_abbrev=False, prog="python -m tfpar.tools.bench_pipeline",
+        allow_abbrev=False, prog="tests/bench_pipeline.py",
         description="Time the pipeline strategy's train step for several numbers of "
                     "micro-batches, next to GPipe's bubble fraction (S-1)/(M+S-1), and "
                     "against the same micro-batches with every stage on one device.")

@@ -66,7 +66,7 @@ from tfpar.tools.parsing import Parser
 PINNED_OPTIMIZER = ["--optimizer", "adam", "--lr", "3e-3", "--clip-norm", "5",
                     "--init-scale", "0", "--no-tie-embeddings"]
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/faults.py -> the clone
 TRAIN_SCRIPT = os.path.join(REPO, "scripts", "train.py")
 # Checkpoint entries that say how a checkpoint was written, not what state it holds.
 BOOKKEEPING = ("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter")
