@@ -9,13 +9,13 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import model_config
+from conftest import REPO, model_config
 from tfpar.tools.bench import contenders, measure, remote, report, spec as bench_spec
 from tfpar.tools.bench.contenders import ContenderFailed, Segment
 from tfpar.tools.bench.measure import pad_fraction, ratio, stall_fraction
 from tfpar.tools.bench.spec import BenchSpec, check_targets, tiny_spec
 from tfpar.tools.bench.workload import fixed_windows, load_setup
-from tfpar.errors import ConfigError
+from tfpar.errors import ConfigError, DataError
 
 
 def _load_script():
@@ -24,7 +24,7 @@ def _load_script():
     import os
 
     spec = importlib.util.spec_from_file_location(
-        "benchmark_script", os.path.join(bench_spec.REPO, "scripts", "benchmark.py"))
+        "benchmark_script", os.path.join(REPO, "scripts", "benchmark.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -131,10 +131,20 @@ def test_bad_flag_value_exits_2(capsys):
     assert "error: unknown precision 'fp16'" in capsys.readouterr().err
 
 
-def test_missing_ptb_falls_back_to_the_generated_corpus_and_says_so(tmp_path):
-    setup = load_setup(tiny_spec(data=str(tmp_path / "ptb")))
-    assert setup.corpus_name == "synthetic"
-    assert str(tmp_path / "ptb") in setup.corpus_note
+def test_missing_ptb_is_one_line_naming_the_download_and_data(tmp_path, monkeypatch, capsys):
+    """The default corpus is PTB where tfpar-download puts it (input/ptb/ under the working
+    directory), never a folder outside it; missing, the run stops with tfpar-train's
+    one-line error, and a missing --data folder is an error too: no other corpus is
+    measured in its place."""
+    monkeypatch.chdir(tmp_path)
+    assert bench_spec.BenchSpec().data == "ptb"
+    assert main(["--quick"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("error: corpus 'ptb' is missing: input/ptb does not exist; download it "
+                   "with: tfpar-download ptb (from a clone: python scripts/download_data.py "
+                   "ptb), or pass --data DIR")
+    with pytest.raises(DataError, match=r"^data source '.*/nowhere' is not a known corpus"):
+        load_setup(tiny_spec(data=str(tmp_path / "nowhere")))
 
 
 def test_bucketing_pads_far_less_than_padded_batch_on_the_same_sentences():
@@ -478,10 +488,22 @@ def test_corpus_scaling_reports_rss_start_up_and_speed_for_each_factor(tiny_corp
     assert "vocab MB/s" in corpus_scaling.format_report(results)
 
 
-def test_corpus_scaling_errors_are_one_line(tmp_path, capsys):
+def test_corpus_scaling_errors_are_one_line(tmp_path, capsys, monkeypatch):
     assert main(["--corpus-scaling", "0"]) == 2
     assert "--corpus-scaling '0' must be comma-separated integers of at least 1" in \
         capsys.readouterr().err
+    # The default corpus: WikiText-2 where tfpar-download puts it, under the working
+    # directory (never a folder outside it).
+    monkeypatch.chdir(tmp_path)
+    assert main(["--corpus-scaling", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --scaling-corpus 'input/wikitext-2' is not a folder; download it with: "
+        "tfpar-download wikitext-2 (from a clone: python scripts/download_data.py "
+        "wikitext-2), or pass --scaling-corpus DIR")
+    assert main(["--corpus-scaling", "1", "--scaling-corpus", "nowhere"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --scaling-corpus 'nowhere' is not a folder; pass a folder holding a "
+        "corpus's train, valid and test files")
     (tmp_path / "train.txt").write_text("a b\n")
     assert main(["--corpus-scaling", "1", "--scaling-corpus", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()

@@ -17,8 +17,9 @@ def parser(prog: str = "tfpar-benchmark") -> argparse.ArgumentParser:
         description="Training throughput of tfpar against plain Keras, the input pipeline's "
                     "share, padding, and the cost of distribution, measured side by side.")
     p.add_argument("--data", default=DEFAULT_PTB,
-                   help="PTB folder, or 'synthetic' (default: %(default)s; falls back to the "
-                        "generated corpus when it is missing)")
+                   help="the corpus, as tfpar-train's --data: ptb (input/ptb/, fetched by "
+                        "tfpar-download ptb), a folder, or 'synthetic' for the generated "
+                        "corpus (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="fewer rounds (a few minutes)")
     p.add_argument("--tiny", action="store_true",
                    help="a generated corpus and a toy model: seconds (for tests)")
@@ -42,7 +43,8 @@ def parser(prog: str = "tfpar-benchmark") -> argparse.ArgumentParser:
                         "repeated that many times (with and without --vocab-file) and report "
                         "peak RSS, time to the first step, vocabulary MB/s and tokens/s")
     p.add_argument("--scaling-corpus", default="",
-                   help="corpus folder for --corpus-scaling (default: ../shared/data/wikitext-2)")
+                   help="corpus folder for --corpus-scaling (default: input/wikitext-2, "
+                        "fetched by tfpar-download wikitext-2)")
     p.add_argument("--sampled-softmax", action="store_true",
                    help="instead of the throughput benchmark: training tokens/s with a "
                         "793,471-word vocabulary and --softmax sampled --num-sampled 8192 "

@@ -29,11 +29,13 @@ import time
 from typing import Any, Sequence
 
 from tfpar.data.corpora import SPLIT_PATTERNS, SPLITS
-from tfpar.errors import ConfigError
+from tfpar.errors import ConfigError, command
 from tfpar.parallel.cluster.local_job import TRAIN_MODULE, package_env
-from tfpar.tools.bench.spec import REPO, target_verdicts
+from tfpar.tools.bench.spec import target_verdicts
 
-DEFAULT_CORPUS = os.path.join(os.path.dirname(REPO), "shared", "data", "wikitext-2")
+# Where tfpar-download wikitext-2 puts it, under the working directory (tfpar-train's
+# --data wikitext-2).
+DEFAULT_CORPUS = os.path.join("input", "wikitext-2")
 TARGETS = {"rss_largest_vs_1x": ("<=", 1.2), "first_step_largest_vs_1x_vocab_file": ("<=", 1.5)}
 
 
@@ -41,8 +43,13 @@ def split_files(corpus: str) -> dict[str, str]:
     """split -> its file in ``corpus``.
 
     Raises:
-      ConfigError: the folder lacks one of the splits.
+      ConfigError: the folder is missing or lacks one of the splits.
     """
+    if not os.path.isdir(corpus):
+        how = (f"download it with: {command('tfpar-download', 'wikitext-2')}, or pass "
+               "--scaling-corpus DIR" if corpus == DEFAULT_CORPUS else
+               "pass a folder holding a corpus's train, valid and test files")
+        raise ConfigError(f"--scaling-corpus {corpus!r} is not a folder; {how}")
     found = {}
     for split in SPLITS:
         names = [pattern.format(split) for pattern in SPLIT_PATTERNS]  # a corpus folder's

@@ -347,7 +347,7 @@ def run(spec: BenchSpec, *, loopback: Sequence[int] = ()) -> dict[str, Any]:
     setup = load_setup(spec)
     results: dict[str, Any] = {
         "spec": dataclasses.asdict(spec), "corpus": setup.corpus_name,
-        "corpus_note": setup.corpus_note, "vocab_size": len(setup.vocab),
+        "vocab_size": len(setup.vocab),
         "cpu_count": os.cpu_count(),
     }
     results.update(padding(setup))

@@ -18,9 +18,10 @@ import os
 import sys
 from typing import NoReturn, Sequence
 
+from tfpar.parallel.cluster.local_job import package_env
 from tfpar.tools.bench.contenders import (Contender, ContenderFailed, Segment, build_available,
                                           describe)
-from tfpar.tools.bench.spec import REPO, BenchSpec
+from tfpar.tools.bench.spec import BenchSpec
 from tfpar.tools.bench.workload import load_setup
 
 log = logging.getLogger("tfpar.tools.bench")
@@ -48,9 +49,12 @@ class ContenderServer:
         import subprocess
 
         request = json.dumps({"spec": dataclasses.asdict(spec), "names": list(names)})
+        # The parent's working directory: the spec's corpus (``ptb``: input/ptb/, or a
+        # relative folder) is read from there as in the parent.
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tfpar.tools.bench", "--serve", request],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env=package_env(os.environ))
         try:
             ready = self._read()
         except RuntimeError as e:  # it crashed setting up: every contender it hosts failed

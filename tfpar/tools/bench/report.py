@@ -29,8 +29,6 @@ def format_report(results: dict[str, Any]) -> str:
         f"{spec['rounds']} rounds x "
         f"{spec['steps']} steps",
     ]
-    if results["corpus_note"]:
-        lines.append(f"note: {results['corpus_note']}")
     cpu = results["tokens_per_cpu_sec"]
     lines.append(f"{'contender':<22}{'tokens/s':>12}{'vs default':>12}{'tokens/cpu-s':>14}")
     keras_side = results["side_by_side_tokens_per_sec"].get("keras_baseline")

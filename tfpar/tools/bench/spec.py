@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Any
 
 from tfpar.errors import ConfigError
 
-# tfpar/tools/bench/spec.py -> the repository root, four levels up.
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))))
-DEFAULT_PTB = os.path.join(os.path.dirname(REPO), "shared", "data", "ptb")
+# --data when not given: PTB as tfpar-train's --data ptb reads it, from input/ptb/ under
+# the working directory (where tfpar-download ptb puts it; a clone's own input/). Missing,
+# it is tfpar-train's one-line error (the download command, --data DIR): never a folder
+# outside the working directory, never another corpus measured in its place.
+DEFAULT_PTB = "ptb"
 
 # name -> (comparison, threshold); checked by check_targets. The speed targets are the
 # fused output layer's (tfpar_vs_keras_baseline, default_fraction_of_limit, the output
@@ -43,7 +43,8 @@ NOT_AVAILABLE = "not available"
 class BenchSpec:
     """What to measure and for how long."""
 
-    # Corpus folder (PTB's ptb.{train,valid,test}.txt) or "synthetic".
+    # The corpus, any --data tfpar-train reads (e.g. "ptb": input/ptb/; a folder of PTB's
+    # ptb.{train,valid,test}.txt), or "synthetic" (the generated corpus).
     data: str = DEFAULT_PTB
     # The small configuration of TensorFlow's ptb_word_lm.py.
     layers: int = 2

@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from tfpar.tools.bench.spec import REPO, BenchSpec
+from tfpar.tools.bench.spec import BenchSpec
 
 SMALL_FLOATS = 1024  # the latency probe: 4 KB
 
@@ -42,7 +42,7 @@ def measure_loopback(spec: BenchSpec, n: int, *, rounds: int = 3, steps: int = 1
     import io
 
     from tfpar.errors import ClusterError
-    from tfpar.parallel.cluster.local_job import plan_job, run_job
+    from tfpar.parallel.cluster.local_job import package_env, plan_job, run_job
 
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "worker0.json")
@@ -50,7 +50,7 @@ def measure_loopback(spec: BenchSpec, n: int, *, rounds: int = 3, steps: int = 1
                               "rounds": rounds, "steps": steps})
         command = (lambda task: [sys.executable, "-m", "tfpar.tools.bench", "--worker-task",
                                  request])
-        env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": REPO}
+        env = package_env({**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
         logs = io.StringIO()
         status = run_job(lambda: plan_job("multi_worker", workers=n), command, out=logs,
                          env=env)

@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
-import os
 from typing import Any
 
 import numpy as np
 
 from tfpar.tools.bench.spec import BenchSpec
 
-log = logging.getLogger("tfpar.tools.bench")
-
 
 @dataclasses.dataclass
 class Setup:
     spec: BenchSpec
     corpus_name: str
-    corpus_note: str
     splits: dict
     vocab: Any
     stream_data: Any  # InputData in stream mode
@@ -40,19 +35,18 @@ class Setup:
 
 def load_setup(spec: BenchSpec, *, vocab_file: str | None = None) -> Setup:
     """Reads (or generates) the corpus and builds the vocabulary (or reads
-    ``vocab_file``, used whole) and the input data."""
+    ``vocab_file``, used whole) and the input data.
+
+    Raises:
+      DataError: ``spec.data`` names no readable corpus (e.g. the default ``ptb`` where
+        ``input/ptb/`` is missing): one line naming the download command and ``--data``.
+    """
     from tfpar.config import DataConfig
     from tfpar.data.sources import load_corpus
     from tfpar.data.pipeline import InputData
     from tfpar.data.vocab import Vocab
 
-    note = ""
-    source = spec.data
-    if source != "synthetic" and not os.path.isdir(source):
-        note = f"PTB not found at {source}: using the generated (synthetic) corpus instead"
-        log.warning("%s", note)
-        source = "synthetic"
-    data_config = DataConfig(source=source, mode="stream", bptt=spec.bptt,
+    data_config = DataConfig(source=spec.data, mode="stream", bptt=spec.bptt,
                              synthetic_train=spec.synthetic_sentences,
                              synthetic_valid=max(1, spec.synthetic_sentences // 10),
                              synthetic_test=max(1, spec.synthetic_sentences // 10))
@@ -62,7 +56,7 @@ def load_setup(spec: BenchSpec, *, vocab_file: str | None = None) -> Setup:
     stream = InputData(corpus.splits, vocab, data_config, seed=spec.seed)
     sentence = InputData(corpus.splits, vocab, dataclasses.replace(data_config, mode="sentence"),
                          seed=spec.seed)
-    return Setup(spec, corpus.name, note, corpus.splits, vocab, stream, sentence)
+    return Setup(spec, corpus.name, corpus.splits, vocab, stream, sentence)
 
 
 def model_config(spec: BenchSpec, precision: str | None = None, *, fused: bool = True):
