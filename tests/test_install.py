@@ -13,6 +13,7 @@ tasks start the training through the package (``python -m tfpar.tools.train``).
 
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -114,6 +115,10 @@ def test_the_wheel_holds_the_package_its_commands_and_no_tfds_requirement(instal
         metadata = wheel.read(f"{info}/METADATA").decode()
         entry_points = wheel.read(f"{info}/entry_points.txt").decode()
     assert all(n.startswith(("tfpar/", info + "/")) for n in names)  # no scripts/, tests/
+    # Every module of tfpar/ and no other: the source tree is what test_package checks for
+    # the harness (fault injection, the benchmarks only the suite and docs use).
+    sources = {p.relative_to(REPO).as_posix() for p in pathlib.Path(REPO, "tfpar").rglob("*.py")}
+    assert {n for n in names if n.endswith(".py")} == sources
     assert sorted(re.findall(r"^(tfpar-\w+) = tfpar\.tools\.commands:\w+$", entry_points,
                              re.M)) == sorted(COMMANDS)
     requires = re.findall(r"^Requires-Dist: (.*)$", metadata, re.M)
