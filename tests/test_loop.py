@@ -107,6 +107,9 @@ def test_an_epoch_of_the_loop_is_the_hand_written_per_step_epoch(mode, poisoned,
     loop.hooks.append(lambda record: recorded.append(record.step))
     loop.train_epoch(0, 0)
     assert recorded == list(range(1, updates + 1))  # each applied step, by its number
+    # One graph for every call: the first window's (from zeros), the rest, the shorter
+    # last window and the one after a restart.
+    assert loop.train.function.experimental_get_tracing_count() == 1
     assert state.step == updates  # the optimizer's count: updates applied
     assert loop.progress.skipped == skipped  # the loop's count of the others
     assert int(state.batch_in_epoch.numpy()) == updates + skipped

@@ -26,10 +26,10 @@ class StreamCarry:
     """The carried state of one run (see the module docstring)."""
 
     def __init__(self, plugin, state, *, stream: bool):
-        self.plugin, self.state = plugin, state
-        # Only a stream whose state the train state checkpoints is carried (the
-        # parameter server's steps start every window from zeros).
-        self.stream = stream and state.carried() is not None
+        self.plugin, self.state, self.stream = plugin, state, stream
+        if stream and state.carried() is None:  # (its zeros take the variables' shapes)
+            raise ValueError("stream mode carries the state in the train state's carry "
+                             "variables: build_train_state(..., carry_rows=batch_size)")
         self._zeros = None
         self.current = self.zeros()
         self.last_in = self.current
