@@ -117,3 +117,16 @@ def test_an_epoch_of_the_loop_is_the_hand_written_per_step_epoch(mode, poisoned,
     # (the poisoned embedding row stays NaN in both)
     assert [i for i, (g, w) in enumerate(zip(got, want))
             if not np.array_equal(g, w, equal_nan=True)] == []
+
+
+def test_stream_mode_without_carry_variables_is_refused():
+    """Without them the zeros would have no shape, and every window would start afresh."""
+    import types
+
+    from tfpar.training.carry import StreamCarry
+
+    with pytest.raises(ValueError, match=r"stream mode carries the state in the train "
+                                         r"state's carry variables: build_train_state"):
+        StreamCarry(None, types.SimpleNamespace(carried=lambda: None), stream=True)
+    assert StreamCarry(None, types.SimpleNamespace(carried=lambda: None),
+                       stream=False).current is None
