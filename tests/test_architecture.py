@@ -294,7 +294,6 @@ def test_the_autograph_check_sees_a_bare_decorator_and_a_call(tmp_path):
 # are these, tfpar's own private names read by a close collaborator, and ``os._exit``
 # (a documented public function despite its underscore):
 OWN_PRIVATE = {
-    ("tfpar.training.profiling", "other._profiler"),  # another StepHooks' state
     ("tfpar.tools.bench.sampled", "contender._outputs"),  # a bench Contender's steps
     ("tfpar.tools.bench.measure", "data._examples"),  # InputData's line -> example map
     ("tfpar.tools.parsing", "sub._option_strings"),  # a sub-command's tfpar Parser

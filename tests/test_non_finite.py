@@ -47,6 +47,7 @@ from tfpar.tools.cli import train_main
 from tfpar.training import summaries
 from tfpar.training.checkpoints import Checkpointer
 from tfpar.training.loop import Loop, count_batches
+from tfpar.training.runner import make_train_steps
 from tfpar.training.state import build_train_state, named_weights
 from tfpar.objective.step import make_eval_step, make_train_step
 
@@ -136,6 +137,7 @@ def check_a_good_step(out, state, before, iterations):
     """The step was finite and applied: the step count moved and every weight and slot
     changed (so a non-finite step that changed anything would be seen)."""
     assert math.isfinite(float(out.nll_sum)) and math.isfinite(float(out.grad_norm))
+    assert bool(out.applied) and not bool(out.scale_skipped)  # what the loop counts by
     assert int(state.optimizer.iterations.numpy()) == iterations
     moved = set(changed(state, before))
     for v in list(state.model.trainable_variables) + slot_variables(state):
@@ -150,6 +152,7 @@ def check_non_finite_steps(state, run, stream_state=None):
             before = snapshot(state)
             out = run(rows, stream_state)
             assert non_finite(out.grad_norm), (kind, float(out.grad_norm))
+            assert not bool(out.applied) and not bool(out.scale_skipped)
             if kind == "inf":  # only the gradient is bad: the guard is on its norm
                 assert math.isfinite(float(out.nll_sum)), float(out.nll_sum)
             assert changed(state, before) == [], f"{kind}: a skipped step changed these"
@@ -248,7 +251,9 @@ def test_an_infinite_loss_with_a_finite_gradient_is_not_applied(name):
     out = step(distributed(plugin, GOOD[:5] + [[12, Q, Q, 5, 2]]))
     assert float(out.nll_sum) == float("inf")
     assert math.isfinite(float(out.grad_norm))  # softmax - one-hot: finite
-    # What Loop.record then says: "non-finite loss ... the update was not applied".
+    # The step says so, and Loop.record then says "non-finite loss ... the update was
+    # not applied".
+    assert not bool(out.applied) and not bool(out.scale_skipped)
     assert changed(state, before) == []
 
 
@@ -275,7 +280,7 @@ def stream_setup(tmp_path):
     loop = Loop(config, plugin, data, state,
                 Checkpointer(str(tmp_path), True, 1, **state.trackables()),
                 summaries.Writer(str(tmp_path), is_chief=False),
-                make_train_step(plugin, state.model, state.optimizer, clip_norm=CLIP),
+                make_train_steps(plugin, state.model, state.optimizer, clip_norm=CLIP),
                 make_eval_step(plugin, state.model))
     windows = count_batches(data.batches("train", training=True, batch_size=4))
     return loop, state, windows

@@ -95,8 +95,8 @@ def test_a_process_that_is_not_the_chief_writes_and_profiles_nothing(tmp_path, s
     writer.session({"lr": 1.0})
     writer.results([("test perplexity", "9.00")], step=1)
     writer.end_epoch(model, step=1)
-    step_fn = lambda batch: batch  # noqa: E731
-    assert writer.instrument(step_fn, lambda: 1, (1, 2)) is step_fn
+    steps_fn = lambda iterator, state, n: None  # noqa: E731
+    assert writer.instrument(steps_fn, lambda: 1, (1, 2)) is steps_fn
     writer.close()
     assert os.listdir(tmp_path) == []
 
@@ -161,39 +161,42 @@ class FakeProfiler:
         monkeypatch.setattr(tf.profiler.experimental, "stop", lambda: log.append(("stop",)))
 
 
-@pytest.mark.parametrize("first_step,window,expected", [
-    # Start right after step A-1, so the fetch of step A's batch is traced; stop after B.
-    (1, (3, 4), "fetch1 ran1 fetch2 ran2 START fetch3 ran3 fetch4 ran4 STOP fetch5 ran5"),
-    (1, (1, 1), "fetch1 START ran1 STOP fetch2 ran2 fetch3 ran3 fetch4 ran4 fetch5 ran5"),
+@pytest.mark.parametrize("first_step,n,window,expected", [
+    # One step per call (the default): the profiler runs over the calls of steps A..B,
+    # whose batches are read inside them.
+    (1, 1, (3, 4), "ran1 ran2 START ran3 ran4 STOP ran5"),
+    (1, 1, (1, 1), "START ran1 STOP ran2 ran3 ran4 ran5"),
     # A run resumed inside the window profiles the rest of it.
-    (4, (3, 5), "fetch4 START ran4 fetch5 ran5 STOP fetch6 ran6 fetch7 ran7 fetch8 ran8"),
+    (4, 1, (3, 5), "START ran4 ran5 STOP ran6 ran7 ran8"),
+    # Calls of 2 steps: the whole calls holding a step of A..B.
+    (1, 2, (4, 5), "ran1 ran2 START ran3 ran4 ran5 ran6 STOP ran7 ran8 ran9 ran10"),
 ])
-def test_profiler_window_and_graph_written_once(tmp_path, monkeypatch, first_step, window,
+def test_profiler_window_and_graph_written_once(tmp_path, monkeypatch, first_step, n, window,
                                                 expected):
     log = []
     FakeProfiler(monkeypatch, log)
     counter = {"step": first_step}
 
     @tf.function
-    def train_step(x):
+    def train_steps(x):
         return x * 2.0
 
-    def step_fn(x):
-        log.append(("ran", counter["step"]))
-        out = train_step(x)
-        counter["step"] += 1
-        return out
+    def steps_fn(iterator, state, n):
+        for _ in range(n):
+            log.append(("ran", counter["step"]))
+            counter["step"] += 1
+        return train_steps(next(iterator))
 
     writer = summaries.Writer(str(tmp_path))
-    hooked = writer.instrument(step_fn, lambda: counter["step"], window)
+    hooked = writer.instrument(steps_fn, lambda: counter["step"], window)
+    iterator = iter([tf.constant(1.5)] * 5)
     for _ in range(5):
-        log.append(("fetch", counter["step"]))  # what the loop's `for batch in ...` does
-        assert float(hooked(tf.constant(1.5))) == 3.0
+        assert float(hooked(iterator, None, n)) == 3.0
     writer.close()
     assert " ".join(f"{e[0]}{e[1]}" if len(e) == 2 and isinstance(e[1], int)
                     else e[0].upper() for e in log) == expected
     assert {e[1] for e in log if e[0] == "start"} == {str(tmp_path / "train")}
-    graphs = read_events(tmp_path / "train")["train_step"]
+    graphs = read_events(tmp_path / "train")["train_steps"]
     assert [(step, plugin) for step, _, plugin in graphs] == [(first_step,
                                                                "graph_run_metadata_graph")]
 
@@ -204,12 +207,12 @@ def test_close_stops_a_profiler_the_run_did_not_reach_the_end_of(tmp_path, monke
     writer = summaries.Writer(str(tmp_path))
     counter = {"step": 1}
 
-    def step_fn():
-        counter["step"] += 1
+    def steps_fn(iterator, state, n):
+        counter["step"] += n
 
-    hooked = writer.instrument(step_fn, lambda: counter["step"], (2, 100))
+    hooked = writer.instrument(steps_fn, lambda: counter["step"], (2, 100))
     for _ in range(3):
-        hooked()
+        hooked(None, None, 1)
     assert [e[0] for e in log] == ["start"]
     writer.close()
     assert [e[0] for e in log] == ["start", "stop"]

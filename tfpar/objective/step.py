@@ -69,6 +69,13 @@ class StepOutput:
     # The recurrent state to feed to the next window (stream mode), in the strategy's own
     # form (a tensor structure, or per-replica values); None in sentence mode.
     state: Any = None
+    # A train step's outcome (None for an eval step), from :func:`update`, the one place
+    # finiteness is decided: ``applied``, the update reached the weights (the step
+    # counts); ``scale_skipped``, not applied because the loss-scaled gradient overflowed
+    # (--precision mixed_float16; the forward pass, hence the state, was finite). Neither:
+    # a non-finite batch, for the loop's --on-nan policy.
+    applied: Any = None
+    scale_skipped: Any = None
 
 
 @dataclasses.dataclass
@@ -276,7 +283,7 @@ def clip_factor(global_norm: tf.Tensor, clip_norm: float) -> tf.Tensor:
 
 def update(norm: tf.Tensor, nll_sum: tf.Tensor, clip_norm: float,
            apply: Callable[[tf.Tensor], Any], loss_scale: tf.Tensor | None = None
-           ) -> tf.Tensor:
+           ) -> tuple[tf.Tensor, tf.Tensor]:
     """The update: ``apply(clip factor)`` when the step is finite, nothing otherwise.
 
     A step is finite when both the aggregated gradient's norm and the summed loss are:
@@ -299,7 +306,8 @@ def update(norm: tf.Tensor, nll_sum: tf.Tensor, clip_norm: float,
       loss_scale: the loss scale, or None without loss scaling.
 
     Returns:
-      A bool scalar: whether the update was applied.
+      ``(applied, scale_skipped)``, bool scalars: the update was applied; it was a
+      loss-scale skip (always False without loss scaling).
     """
     true_norm = norm if loss_scale is None else norm / loss_scale
     factor = clip_factor(true_norm, clip_norm)
@@ -320,10 +328,11 @@ def update(norm: tf.Tensor, nll_sum: tf.Tensor, clip_norm: float,
     # flow, so the plug-in's run_update calls strategy.run inside this branch.
     finite = tf.logical_and(tf.math.is_finite(norm), tf.math.is_finite(nll_sum))
     if loss_scale is None:
-        return tf.cond(finite, applied, not_applied)
+        return tf.cond(finite, applied, not_applied), tf.constant(False)
     overflow = tf.logical_and(tf.math.is_finite(nll_sum),
                               tf.logical_not(tf.math.is_finite(norm)))
-    return tf.cond(finite, applied, lambda: tf.cond(overflow, scale_skip, not_applied))
+    return (tf.cond(finite, applied, lambda: tf.cond(overflow, scale_skip, not_applied)),
+            overflow)
 
 
 def apply_scaled(optimizer, variables, grads, factor: tf.Tensor,
@@ -381,9 +390,10 @@ def evaluate(plugin, model, loss, batch, state) -> tuple[tf.Tensor, tf.Tensor, A
 
 
 def one_update(plugin, model, optimizer, *, clip_norm: float, loss):
-    """``update(batch, state) -> Aggregated``: the body of every train step (traced into
-    :func:`make_train_step`'s function once, or into the runner's multi-step loop,
-    ``tfpar.training.runner.make_train_steps``)."""
+    """``update(batch, state) -> StepOutput``: the body of every synchronous train step
+    (traced into the runner's multi-step loop, ``tfpar.training.runner.make_train_steps``,
+    or into :func:`make_train_step`'s function); the output's ``grad_norm`` is the true
+    gradient's (unscaled) and ``applied`` / ``scale_skipped`` say what :func:`update` did."""
     plugin.bind(model)
     key_noise_by_step(model, optimizer)
     scale = use_loss_scaling(model, optimizer)
@@ -396,14 +406,16 @@ def one_update(plugin, model, optimizer, *, clip_norm: float, loss):
         with xla.compile_any_shape() if model.fixed_shapes else contextlib.nullcontext():
             agg = aggregate(plugin, model, loss, batch, state)
         variables = model.trainable_variables
-        update(agg.norm, agg.nll_sum, clip_norm,
-               lambda factor: plugin.run_update(
-                   optimizer, lambda grads: apply_scaled(optimizer, variables, grads, factor,
-                                                         plugin.place_update), agg.grads),
-               loss_scale=scale)
-        if scale is not None:  # reported: the norm of the true gradient
-            agg = dataclasses.replace(agg, norm=agg.norm / scale)
-        return agg
+        applied, scale_skipped = update(
+            agg.norm, agg.nll_sum, clip_norm,
+            lambda factor: plugin.run_update(
+                optimizer, lambda grads: apply_scaled(optimizer, variables, grads, factor,
+                                                      plugin.place_update), agg.grads),
+            loss_scale=scale)
+        # Reported: the norm of the true gradient.
+        norm = agg.norm if scale is None else agg.norm / scale
+        return StepOutput(nll_sum=agg.nll_sum, count=agg.count, grad_norm=norm,
+                          state=agg.state, applied=applied, scale_skipped=scale_skipped)
 
     return one
 
@@ -441,9 +453,8 @@ def make_train_step(plugin, model, optimizer, *, clip_norm: float, loss=None):
 
     @tf.function(autograph=False, reduce_retracing=True)
     def train_step(batch, state=None):
-        agg = one(batch, state)
-        return dict(nll_sum=agg.nll_sum, count=agg.count, grad_norm=agg.norm,
-                    state=agg.state)
+        out = one(batch, state)  # (a tf.function returns a dict, not a dataclass)
+        return {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
 
     return as_step_output(train_step, any_shape=not model.fixed_shapes)
 

@@ -325,9 +325,12 @@ class Coordinator:
             norm = tf.linalg.global_norm(grads)
             # The one update (clip, finite guard): a non-finite gradient never reaches
             # the parameters, nor the step count.
-            step.update(norm, nll_sum, clip_norm, lambda factor: apply_update(
-                optimizer, [step.scale(g, factor) for g in grads], model.trainable_variables))
-            return dict(nll_sum=nll_sum, count=count, grad_norm=norm)
+            applied, scale_skipped = step.update(
+                norm, nll_sum, clip_norm, lambda factor: apply_update(
+                    optimizer, [step.scale(g, factor) for g in grads],
+                    model.trainable_variables))
+            return dict(nll_sum=nll_sum, count=count, grad_norm=norm, applied=applied,
+                        scale_skipped=scale_skipped)
 
         @tf.function(autograph=False)
         def worker_step(iterator):

@@ -58,11 +58,11 @@ class AsyncLoop(Loop):
                 # At most the updates still missing; a skipped (non-finite) step is not
                 # one, so after a sync point with skips the epoch goes on, as in Loop.
                 scheduled = min(scheduled, max_steps - self.step)
-            futures = [self.train_step(iterators) for _ in range(scheduled)]
+            futures = [self.train(iterators) for _ in range(scheduled)]
             coordinator.join()
-            outputs = [coordinator.fetch(f) for f in futures]
+            outputs = [coordinator.fetch(f) for f in futures]  # StepOutputs, as Loop's
             seconds = time.perf_counter() - start
-            self.record(outputs, seconds)
+            self.record(outputs, seconds, as_one=True)
             todo -= scheduled
             between_syncs = max(least, int(scheduled * SECONDS_BETWEEN_SYNCS / seconds))
 

@@ -4,7 +4,9 @@ Row ``b`` of window ``k + 1`` continues row ``b`` of window ``k``, so each windo
 from the state the one before ended in (truncated BPTT). The loop keeps it here:
 
 * ``current``: the state the next window starts from, in the plug-in's form (one tensor
-  structure, or ``tf.distribute`` per-replica values); None means zeros;
+  structure, or ``tf.distribute`` per-replica values); never None in stream mode: an
+  epoch's first window starts from explicit zeros of the same form, so one graph of the
+  training call serves the first window and the rest;
 * ``last_in``: the state the last window started from (a non-finite run rewinds there);
 * :meth:`store`: before every checkpoint, ``current`` in the global form (one [B, H]
   tensor per layer and part) into the train state, so a run resumed in the middle of an
@@ -12,10 +14,12 @@ from the state the one before ended in (truncated BPTT). The loop keeps it here:
 * :meth:`restart`: zeros for the next window, after a non-finite one and at an epoch's
   end.
 
-In sentence mode every window starts from zeros: nothing is carried or stored.
+In sentence mode every window starts from zeros: nothing is carried or stored (None).
 """
 
 from __future__ import annotations
+
+import tensorflow as tf
 
 
 class StreamCarry:
@@ -23,29 +27,35 @@ class StreamCarry:
 
     def __init__(self, plugin, state, *, stream: bool):
         self.plugin, self.state, self.stream = plugin, state, stream
-        self.current = None
-        self.last_in = None
+        if stream and state.carried() is None:  # (its zeros take the variables' shapes)
+            raise ValueError("stream mode carries the state in the train state's carry "
+                             "variables: build_train_state(..., carry_rows=batch_size)")
+        self._zeros = None
+        self.current = self.zeros()
+        self.last_in = self.current
+
+    def zeros(self):
+        """The zero state in the plug-in's form (made once), None in sentence mode."""
+        if self.stream and self._zeros is None:
+            self._zeros = self.plugin.local_state(
+                tf.nest.map_structure(tf.zeros_like, self.state.carried()))
+        return self._zeros
 
     def resume(self, skip: int):
         """The state an epoch's first window starts from: a resumed epoch's (``skip``
-        batches done) from its checkpoint, in the plug-in's form; else zeros (None)."""
+        batches done) from its checkpoint, in the plug-in's form; else zeros."""
         self.current = self.plugin.local_state(self.state.carried()) \
-            if self.stream and skip else None
+            if self.stream and skip else self.zeros()
         return self.current
 
-    def advance(self, final) -> None:
-        """A window ended in ``final`` (its step's output state): the next starts there."""
-        self.last_in = self.current
-        self.current = final if self.stream else None
-
     def after_call(self, last_in, final) -> None:
-        """A multi-step call ran: its last window started from ``last_in``, ended in
+        """A training call ran: its last window started from ``last_in``, ended in
         ``final``."""
         self.last_in, self.current = last_in, final
 
     def restart(self) -> None:
         """The next window starts from zeros."""
-        self.current = None
+        self.current = self.zeros()
 
     def rewind(self, to) -> None:
         """The next window starts from ``to`` (a state this object handed out before)."""

@@ -1,9 +1,11 @@
 """The epoch/step loop: one path records every step; periodic work is hooks.
 
-``Loop`` runs synchronous plug-ins (one step, one result); ``AsyncLoop``
-(``tfpar.training.async_loop``) runs parameter-server training (steps scheduled on
-workers, results read at sync points). Both hand what finished to :meth:`Loop.record`,
-which checks it, keeps the run's totals and calls every hook with one :class:`Record`:
+``Loop`` runs synchronous plug-ins: every training call is the runner's multi-step call
+(``tfpar.training.runner.make_train_steps``) of ``--steps-per-execution`` steps (1 by
+default). ``AsyncLoop`` (``tfpar.training.async_loop``) runs parameter-server training
+(steps scheduled on workers, results read at sync points). Both hand the steps' outputs
+(each with its outcome, ``applied`` or not, as the step decided it) to :meth:`Loop.record`,
+which checks them, keeps the run's totals and calls every hook with a :class:`Record`:
 summaries, the progress bar and periodic checkpoints are hooks, not branches of the loop.
 The loop's other pieces have one job each: the stream state it carries
 (``tfpar.training.carry``), the non-finite policy (``tfpar.training.nonfinite``) and the
@@ -15,21 +17,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import time
 
 import numpy as np
 import tensorflow as tf
 
-from tfpar.model.precision import loss_scaled
 from tfpar.objective.losses import perplexity
 from tfpar.parallel.rows import replica_batches
 from tfpar.training import summaries
 from tfpar.training.carry import StreamCarry
 from tfpar.training.hooks import CheckpointHook, ProgressHook, Record, SummaryHook, wall_time
-from tfpar.training.nonfinite import (NonFinitePolicy, is_finite, keeps_state,
-                                      restart_state_after_non_finite)
+from tfpar.training.nonfinite import NonFinitePolicy
 from tfpar.training.runner import run_steps
 from tfpar.training.schedule import applied_learning_rate
 from tfpar.training.stopping import StopHook, run_again
@@ -85,14 +84,13 @@ class Loop:
     #: A stop signal to this process stops the whole job (the parameter-server chief).
     job_chief = False
 
-    def __init__(self, config, plugin, data, state, checkpointer, writer, train_step,
-                 eval_step, train_steps=None, *, cluster_resolver=None):
+    def __init__(self, config, plugin, data, state, checkpointer, writer, train,
+                 eval_step, *, cluster_resolver=None):
         self.config, self.plugin, self.data, self.state = config, plugin, data, state
-        self.loss_scaled = loss_scaled(config.model.precision)
         self.checkpointer, self.writer = checkpointer, writer
-        self.train_step, self.eval_step = train_step, eval_step
-        # --steps-per-execution N > 1: steps(iterator, state, n) runs up to n per call.
-        self.train_steps = train_steps
+        # Loop: steps(iterator, state, n) -> CallOutput, up to n steps per call
+        # (make_train_steps); AsyncLoop: the plug-in's schedule(iterators) -> future.
+        self.train, self.eval_step = train, eval_step
         self.progress = Progress()
         self.last_epoch_batches = 0  # batches of the last whole epoch (the bar's total)
         # (step, nll, tokens) of the last epoch end's valid evaluation: the final
@@ -185,25 +183,30 @@ class Loop:
         return self.last_epoch_batches - skip if self.last_epoch_batches else None
 
     def train_epoch(self, epoch: int, skip: int) -> None:
+        """The epoch's steps after the first ``skip``, up to --steps-per-execution per
+        call (see ``tfpar.training.runner.make_train_steps``)."""
         batches = self.plugin.distribute(lambda ctx: self.train_batches(epoch, skip, ctx))
         if self.bar is not None:
             self.start_bar(self.bar_total(epoch, skip), epoch)
-        stream = self.stream
-        train_step = restart_state_after_non_finite(self.train_step, self.loss_scaled) \
-            if stream else self.train_step
+        iterator, carry = iter(batches), self.carry
         # A resumed epoch starts from the state its checkpoint carried; a new one from 0.
-        initial = self.carry.resume(skip)
-        if self.train_steps is not None:
-            self.train_in_calls(iter(batches), train_step, stream)
-            return
-        start = time.perf_counter()
-        for out in run_steps(train_step, batches, stream=stream, initial_state=initial):
-            now = time.perf_counter()
-            self.carry.advance(out.state)
-            self.record([out], now - start)
-            start = now
-            if self.done():
-                break
+        carry.resume(skip)
+        while not self.done():
+            start = time.perf_counter()
+            call = self.train(iterator, carry.current, self.steps_in_next_call())
+            if not call.outputs:
+                return
+            carry.after_call(call.last_state_in, call.state)
+            last = call.outputs[-1]  # (a call ends after a step that was not applied)
+            if self.stream and not (last.applied or last.scale_skipped):
+                # A non-finite window usually ends in a NaN/inf state too; carried on,
+                # it would make every later window of the epoch non-finite (all skipped
+                # under --on-nan skip). The next starts afresh instead, as an epoch does
+                # (not after a loss-scale skip: its forward pass was finite).
+                carry.restart()
+            self.record(call.outputs, time.perf_counter() - start)
+            if call.exhausted:
+                return
 
     def steps_in_next_call(self) -> int:
         """--steps-per-execution, cut so that a call ends on every --checkpoint-every
@@ -216,51 +219,26 @@ class Loop:
             n = min(n, cfg.train.max_steps - step)
         return max(n, 1)
 
-    def train_in_calls(self, iterator, train_step, stream: bool) -> None:
-        """The epoch's steps, up to --steps-per-execution per call (see
-        ``tfpar.training.runner.make_train_steps``). A stream's first window (from zeros,
-        or after a non-finite one) runs alone with the one-step function."""
-        carry = self.carry
-        while not self.done():
-            start = time.perf_counter()
-            if stream and carry.current is None:
-                try:
-                    batch = next(iterator)
-                except StopIteration:
-                    return
-                out = train_step(batch, None)
-                carry.after_call(None, out.state)
-                self.record([out], time.perf_counter() - start)
-                continue
-            call = self.train_steps(iterator, carry.current, self.steps_in_next_call())
-            if not call.outputs:
-                return
-            carry.after_call(call.last_state_in, call.state)
-            if stream and not keeps_state(call.outputs[-1], self.loss_scaled):
-                carry.restart()  # restart_state_after_non_finite, as for one step
-            self.record(call.outputs, time.perf_counter() - start, per_step=True)
-            if call.exhausted:
-                return
+    def record(self, outputs: list, seconds: float, *, as_one: bool = False) -> None:
+        """The one place finished steps go: steps not applied are reported (a loss-scale
+        skip is counted, a non-finite batch goes to ``--on-nan``), the applied ones are
+        counted and handed to every hook.
 
-    def record(self, outputs: list, seconds: float, *, per_step: bool = False) -> None:
-        """The one place finished steps go: non-finite ones are reported (``--on-nan``),
-        the rest are counted and handed to every hook.
-
-        ``outputs`` finished since the last record, in order, and the state (weights,
-        position) is already theirs. ``per_step``: hand each step to the hooks as its
-        own record with its own step number (the steps of one multi-step call), instead
-        of one record for all (a parameter-server sync point)."""
+        ``outputs``: StepOutputs (with ``applied`` and ``scale_skipped``) finished since
+        the last record, in order; the state (weights, position) is already theirs. Each
+        step is its own record with its own step number, unless ``as_one`` (a
+        parameter-server sync point, whose steps' order is not known): one for all."""
         position = int(self.state.batch_in_epoch.numpy())
         self.state.batch_in_epoch.assign_add(len(outputs))
         # The first call traces the graph; its steps are kept out of tokens/s.
         warm = self.step > len(outputs)
-        if not per_step:
+        if as_one:
             self._record(outputs, seconds, self.step, position, warm)
         else:
-            # Steps not applied (non-finite) do not count; the step numbers end at ours.
-            step = self.step - sum(is_finite(out) for out in outputs)
+            # Steps not applied do not count; the step numbers end at ours.
+            step = self.step - sum(bool(out.applied) for out in outputs)
             for i, out in enumerate(outputs):
-                step += is_finite(out)
+                step += bool(out.applied)
                 self._record([out], seconds / len(outputs), step, position + i, warm)
         self.stop()
 
@@ -269,9 +247,9 @@ class Loop:
         finite = []
         for i, out in enumerate(outputs):
             nll, count, norm = float(out.nll_sum), float(out.count), float(out.grad_norm)
-            if is_finite(out):
+            if out.applied:
                 finite.append((nll, count, norm))
-            elif self.loss_scaled and math.isfinite(nll):
+            elif out.scale_skipped:
                 self.progress.scale_skips += 1
                 log.debug("loss scaling: the scaled gradient overflowed in the batch after "
                           "step %d; skipped, scale halved", step)

@@ -1,8 +1,9 @@
 """What a run does with a non-finite step (``--on-nan``, ``--nan-patience``).
 
 The step's finite guard (``tfpar.objective.step.update``) never applies a non-finite
-update: the weights, the optimizer's slots and the step counter stay the last good ones.
-The loop hands every non-finite step to :class:`NonFinitePolicy`, which skips it
+update: the weights, the optimizer's slots and the step counter stay the last good ones,
+and the step says so (its output's ``applied``). The loop hands every non-finite step
+(neither applied nor a loss-scale skip) to :class:`NonFinitePolicy`, which skips it
 (``--on-nan skip``) or gives up (``--on-nan stop``, or ``--nan-patience`` bad steps in a
 row). Giving up checkpoints the last good weights with the input position of the first
 bad batch of the run (and, in stream mode, the state that batch started from), so a
@@ -11,41 +12,11 @@ resumed run, say with a lower ``--lr``, tries those batches again.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 
 from tfpar.errors import TrainingError
 
 log = logging.getLogger(__name__)
-
-
-def is_finite(out) -> bool:
-    """Whether a step's loss and gradient norm are both finite."""
-    return math.isfinite(float(out.nll_sum)) and math.isfinite(float(out.grad_norm))
-
-
-def keeps_state(out, loss_scaled: bool) -> bool:
-    """Whether the next stream window starts from the state ``out``'s window ended in:
-    yes after a finite step, and after a loss-scale skip (finite loss, overflowing scaled
-    gradient: the forward pass, hence the state, was finite)."""
-    return is_finite(out) or (loss_scaled and math.isfinite(float(out.nll_sum)))
-
-
-def restart_state_after_non_finite(train_step, loss_scaled: bool = False):
-    """Stream mode: the window after a non-finite one starts from a zero state.
-
-    A window whose loss or gradient is not finite usually ends in a NaN/inf recurrent
-    state too; carried on, it would make every later window of the epoch non-finite (all
-    skipped under --on-nan skip). The next window starts afresh instead, as an epoch does
-    (not after a loss-scale skip, see :func:`keeps_state`).
-    """
-
-    def step(batch, state=None):
-        out = train_step(batch, state)
-        return out if keeps_state(out, loss_scaled) else dataclasses.replace(out, state=None)
-
-    return step
 
 
 class NonFinitePolicy:

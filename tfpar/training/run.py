@@ -55,7 +55,7 @@ from tfpar.training.state import build_train_state, named_weights
 from tfpar.training.stored import (check_cell_named, checkpoint_path, checkpoint_step,
                                    restore_weights, stored_run)
 from tfpar.objective.output import output_loss
-from tfpar.objective.step import make_eval_step, make_train_step
+from tfpar.objective.step import make_eval_step
 from tfpar.training.runner import make_train_steps
 
 log = logging.getLogger(__name__)
@@ -256,22 +256,17 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
     clip = config.train.clip_norm
     if asynchronous:  # a scheduled step runs on a worker: nothing to trace here
         eval_step = plugin.make_eval_step(state.model)
-        train_step = plugin.make_schedule_step(state.model, state.optimizer, clip_norm=clip)
+        train = plugin.make_schedule_step(state.model, state.optimizer, clip_norm=clip)
         loop_class = AsyncLoop
     else:
         eval_step = make_eval_step(plugin, state.model, loss)
-        train_step = writer.instrument(  # writes the step's graph; --profile-steps
-            make_train_step(plugin, state.model, state.optimizer, clip_norm=clip, loss=loss),
+        train = writer.instrument(  # writes the calls' graph; --profile-steps
+            make_train_steps(plugin, state.model, state.optimizer, clip_norm=clip, loss=loss),
             lambda: state.step + 1, config.run.profile_steps)
         loop_class = Loop
-    train_steps = writer.instrument_calls(  # the same, for --steps-per-execution N > 1
-        make_train_steps(plugin, state.model, state.optimizer, clip_norm=clip, loss=loss)
-        if (config.train.steps_per_execution or 1) > 1 else None,
-        lambda: state.step + 1, config.run.profile_steps)
     # multi_worker: a stop signal on any worker stops every worker after the same step.
     together = plugin.num_workers > 1 and not asynchronous
-    loop = loop_class(config, plugin, data, state, ckpt, writer, train_step, eval_step,
-                      train_steps,
+    loop = loop_class(config, plugin, data, state, ckpt, writer, train, eval_step,
                       cluster_resolver=plugin.strategy.cluster_resolver if together else None)
     progress = loop.run()
 

@@ -9,10 +9,10 @@ its two event folders are the runs::
                         update/gradient_norm
             per epoch:  weights/<variable> histograms, update/variable_gradient_norms
                         histogram, update/gradient_norm/<layer> scalars, "samples" text
-            once:       "config" text, the train-step graph ("train_step"), and with
-                        --steps-per-execution N > 1 the N-step loop's ("train_steps")
-            --profile-steps A,B: a profiler trace in train/plugins/profile/ (with
-                        --steps-per-execution, of the whole calls that hold A..B)
+            once:       "config" text, the training calls' graph ("train_steps": the
+                        loop of --steps-per-execution steps, 1 by default)
+            --profile-steps A,B: a profiler trace in train/plugins/profile/ (of the
+                        whole calls that hold A..B)
     eval/   per epoch:  perplexity (valid; also at the last step when the run ends
                         mid-epoch); at the end: "results" text (the final metrics table)
 
@@ -47,7 +47,7 @@ import tensorflow as tf
 
 from tfpar.training import hparams
 from tfpar.training.inspector import EpochInspector
-from tfpar.training.profiling import CallHooks, StepHooks
+from tfpar.training.profiling import CallHooks
 
 log = logging.getLogger(__name__)
 RUNS = ("train", "eval")
@@ -74,8 +74,7 @@ class Writer:
         self.model_dir = model_dir
         self._writers = {}
         self._inspector: EpochInspector | None = None
-        self._hooks: StepHooks | None = None
-        self._call_hooks: CallHooks | None = None
+        self._hooks: CallHooks | None = None
         if is_chief:
             for name in RUNS:
                 self._writers[name] = tf.summary.create_file_writer(os.path.join(model_dir, name))
@@ -162,34 +161,20 @@ class Writer:
             return
         self.text("train", "samples", self._inspector.samples(seed=step), step)
 
-    def instrument(self, train_step, next_step: Callable[[], int],
+    def instrument(self, train_steps, next_step: Callable[[], int],
                    profile_steps: Sequence[int] = ()):
-        """Wraps ``train_step`` to write its graph on the first call and to profile steps
-        ``profile_steps`` = (A, B); ``next_step()`` is the number of the step about to run.
-        Returns ``train_step`` itself when not the chief."""
+        """Wraps ``train_steps`` (``steps(iterator, state, n)``, the loop's training
+        call) to write its graph on the first call and to profile the calls holding steps
+        ``profile_steps`` = (A, B); ``next_step()`` is the number of the step about to
+        run. Returns ``train_steps`` itself when not the chief."""
         if not self.active:
-            return train_step
-        self._hooks = StepHooks(self, train_step, next_step, tuple(profile_steps))
+            return train_steps
+        self._hooks = CallHooks(self, train_steps, next_step, tuple(profile_steps))
         return self._hooks
 
-    def instrument_calls(self, train_steps, next_step: Callable[[], int],
-                         profile_steps: Sequence[int] = ()):
-        """:meth:`instrument` for the multi-step function (``--steps-per-execution``):
-        its graph (``train_steps``) is written on its first call, and the profiler runs
-        over every call holding a step of ``profile_steps`` (whole calls, so a superset
-        of A..B). Shares the profiler with the one-step function's hooks."""
-        if not self.active or train_steps is None:
-            return train_steps
-        hooks = CallHooks(self, train_steps, next_step, tuple(profile_steps))
-        if self._hooks is not None:
-            hooks.share_profiler(self._hooks)
-        self._call_hooks = hooks
-        return hooks
-
     def close(self) -> None:
-        for hooks in (self._hooks, self._call_hooks):
-            if hooks is not None:
-                hooks.stop_profiler()
+        if self._hooks is not None:
+            self._hooks.stop_profiler()
         for writer in self._writers.values():
             writer.flush()
             writer.close()
