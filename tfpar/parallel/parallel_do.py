@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfpar.config import DistConfig
+from tfpar.config import DistConfig, ModelConfig
 from tfpar.parallel import rows
 from tfpar.parallel.base import StrategyPlugin, parts_of, sum_parts
 from tfpar.parallel.devices import data_parallel_devices
@@ -78,6 +78,6 @@ class ParallelDo(StrategyPlugin):
             update(grads)
 
 
-def build_parallel_do(dist: DistConfig) -> ParallelDo:
+def build_parallel_do(dist: DistConfig, model: ModelConfig | None = None) -> ParallelDo:
     """On ``--devices``, all GPUs, or ``--cpu-devices`` logical CPUs (default 2)."""
     return ParallelDo(data_parallel_devices(dist))

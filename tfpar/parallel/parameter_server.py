@@ -56,7 +56,7 @@ import threading
 import tensorflow as tf
 
 from tfpar import compat
-from tfpar.config import DistConfig
+from tfpar.config import DistConfig, ModelConfig
 from tfpar.errors import ClusterError, ConfigError, command
 from tfpar.model.lm import detached_copy
 from tfpar.objective import losses, step
@@ -222,6 +222,9 @@ class Coordinator:
 
     name = "parameter_server"
     is_chief = True
+    # A stop signal to the chief stops the job from here (the loop's ``job_chief``); the
+    # workers and ps tasks have no step of their own to agree on.
+    cluster_resolver = None
 
     def __init__(self, strategy: tf.distribute.ParameterServerStrategy,
                  coordinator: tf.distribute.coordinator.ClusterCoordinator,
@@ -268,7 +271,7 @@ class Coordinator:
                               "updates variables one by one with the optimizer's update_step, "
                               "which keeps no moving average; use a synchronous strategy or "
                               "--ema-momentum 0")
-        if (config.train.steps_per_execution or 1) > 1:
+        if config.train.steps_per_execution > 1:
             raise ConfigError(f"--steps-per-execution {config.train.steps_per_execution}: "
                               "parameter_server schedules every step on a worker without "
                               "waiting for it already; use --steps-per-execution 1")
@@ -430,7 +433,7 @@ def server_task(dist: DistConfig) -> ServerTask | None:
     return None if config.task_type == "chief" else ServerTask(config)
 
 
-def build_coordinator(dist: DistConfig) -> Coordinator:
+def build_coordinator(dist: DistConfig, model: ModelConfig | None = None) -> Coordinator:
     """The coordinator, on the chief of the cluster TF_CONFIG describes.
 
     Raises:

@@ -86,7 +86,7 @@ def evaluate_model_dir(args) -> dict:
     from tfpar.training.state import build_train_state
 
     ckpt = checkpoint_path(args.model_dir, args.weights)
-    plugin = build_strategy(config.dist)
+    plugin = build_strategy(config.dist, config.model)  # placed as training placed it
     batch = args.batch_size or config.train.global_eval_batch_size
     if batch < plugin.num_replicas:
         raise ConfigError(f"--batch-size {batch} is smaller than the {plugin.num_replicas} "
