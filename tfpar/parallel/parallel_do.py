@@ -9,8 +9,9 @@ every device and merges. Here the block is the one replica step of
     merge:  sum_d (on the variable device); states concatenated
 
 It is also the worked example of what a synchronous strategy consists of: a class with
-``num_replicas``, ``devices``, ``distribute``, ``replicate``, ``sum`` and
-``run_update``, a builder, and one line in ``tfpar.parallel.registry.STRATEGIES``. ``tower``
+``num_replicas``, ``devices``, ``scope``, ``distribute``, ``replicate``, ``sum_gradients``,
+``norm`` and ``run_update`` (the base class's ``sum`` adds its ``Parts``), a builder of
+``(DistConfig, ModelConfig)``, and one line in ``tfpar.parallel.registry.STRATEGIES``. ``tower``
 (``tfpar.parallel.tower``) is this strategy with a choice of variable device and of
 reduction (a ring).
 """
