@@ -147,9 +147,12 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
     _add_flags(p, list(GROUPS))
 
 
-def train_parser(prog: str = "tfpar-train") -> argparse.ArgumentParser:
+def train_parser(prog: str = "tfpar-train", *, raising: bool = False
+                 ) -> argparse.ArgumentParser:
+    """``tfpar-train``'s flags (``raising``: errors raise ConfigError, :class:`Parser`)."""
     p = Parser(
         prog=prog,
+        raising=raising,
         description="Train an RNN language model on one or many devices, evaluate it, "
                     "write TensorBoard events and export a SavedModel.",
         # No abbreviations: a preset merges with the flags given by their full names, so
