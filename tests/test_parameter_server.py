@@ -128,14 +128,13 @@ def test_sharded_gradients_and_updates_match_unsharded_ones(tmp_path):
      "use --steps-per-execution 1"),
 ])
 def test_settings_asynchronous_training_cannot_honour(config, message):
-    from tfpar.training import run
+    from tfpar.parallel import registry
 
-    tf_config = ps_config()
-    plugin = ps.Coordinator(None, None, parse_tf_config(tf_config))
-    config = config.replace(dist={"strategy": "parameter_server"})
     with pytest.raises(ConfigError, match=message):
-        # What the run checks: its config with --steps-per-execution resolved.
-        plugin.check_config(run.steps_per_execution(config, plugin))
+        ps.check_config(config)
+    # The registry's check: refused before the coordinator is built (no cluster here).
+    with pytest.raises(ConfigError, match=message):
+        registry.build_for(config.replace(dist={"strategy": "parameter_server"}))
 
 
 def ps_config(task_type="chief", index=0, ps_address="127.0.0.1:3", chief=True):

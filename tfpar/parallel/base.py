@@ -121,10 +121,6 @@ class StrategyPlugin(abc.ABC):
         None: this process stops alone."""
         return None
 
-    def check_config(self, config) -> None:
-        """Raises ``ConfigError`` for settings of the run ``config`` this plug-in cannot
-        honour. Only checks: the placement was decided when the plug-in was built."""
-
     def bind(self, model) -> None:
         """Called by the step before it is traced for ``model`` (the pipeline resolves its
         stages here, so a ``--stages`` the model cannot honour fails before tracing)."""

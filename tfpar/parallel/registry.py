@@ -50,6 +50,9 @@ class Strategy:
     # DistConfig -> this process's task (``describe()``, ``serve()``), or None for the
     # task that trains. None: every task trains.
     server_task: Callable[[DistConfig], Any] | None = None
+    # Config -> None, or ConfigError for run settings it cannot honour; run by
+    # :func:`build_for` before anything is built. None: it honours every setting.
+    check: Callable[[Config], None] | None = None
 
     @property
     def cluster(self) -> bool:
@@ -106,6 +109,11 @@ def _parameter_server_task(dist):
     return parameter_server.server_task(dist)
 
 
+def _parameter_server_check(config):
+    from tfpar.parallel import parameter_server
+    parameter_server.check_config(config)
+
+
 # name -> Strategy. A new synchronous strategy: its module, and one line here.
 STRATEGIES: dict[str, Strategy] = {
     "default": Strategy(_default),
@@ -119,7 +127,8 @@ STRATEGIES: dict[str, Strategy] = {
 # Strategies that train asynchronously, with no synchronous update to place (their own
 # loop, tfpar.training.async_loop.AsyncLoop); ``build`` makes the coordinator.
 ASYNCHRONOUS: dict[str, Strategy] = {
-    "parameter_server": Strategy(_coordinator, "workers", server_task=_parameter_server_task),
+    "parameter_server": Strategy(_coordinator, "workers", server_task=_parameter_server_task,
+                                 check=_parameter_server_check),
 }
 
 
@@ -163,11 +172,15 @@ def build_strategy(dist: DistConfig, model: ModelConfig | None = None) -> Strate
 def build_for(config: Config):
     """What runs ``config``: the synchronous plug-in, or the coordinator of asynchronous
     training, built for ``config.dist`` with its placement decided for ``config.model``
-    (nothing changes it later: log its ``describe()`` any time after this).
+    (nothing changes it later: log its ``describe()`` any time after this), once the
+    strategy's ``check`` has accepted the run's settings.
 
     Raises:
-      ConfigError: an unknown strategy name.
+      ConfigError: an unknown strategy name, or settings the strategy cannot honour.
     """
+    check = traits(config.dist.strategy).check
+    if check is not None:
+        check(config)
     if config.dist.strategy in ASYNCHRONOUS:
         return ASYNCHRONOUS[config.dist.strategy].build(config.dist, config.model)
     return build_strategy(config.dist, config.model)

@@ -188,10 +188,9 @@ def train_and_evaluate(config: Config) -> dict[str, Any]:
                        ("--metrics-json", config.run.metrics_json)):
         files.check_file_system(path, flag)  # before a step is trained
     config, init = init_source(config)
-    plugin = registry.build_for(config)  # its placement: decided here, once
-    config = steps_per_execution(config, plugin)  # resolved: an int from here on
-    plugin.check_config(config)
+    plugin = registry.build_for(config)  # settings checked, placement decided: once
     log.info("strategy %s", plugin.describe())
+    config = steps_per_execution(config, plugin)  # resolved: an int from here on
     if config.model.custom_cell:  # a cell that cannot work fails before anything is written
         cells.probe(config.model.cell, config.model.hidden_dim, config.model.embed_dim)
     check_batch_sizes(config, plugin.num_replicas)
