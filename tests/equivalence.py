@@ -78,8 +78,8 @@ def recording():
     rec = Recorder()
     real_build, real_run_steps = verify.build_strategy, verify.run_steps
 
-    def build_strategy(dist):
-        rec.plugins.append(real_build(dist))
+    def build_strategy(dist, model=None):
+        rec.plugins.append(real_build(dist, model))
         return rec.plugins[-1]
 
     def run_steps(*args, **kwargs):

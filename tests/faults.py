@@ -59,6 +59,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from tfpar.errors import ConfigError
+from tfpar.parallel import registry
 from tfpar.tools.parsing import Parser
 
 # The optimizer, clip norm, init and softmax the measured kill and matrix runs use (the
@@ -72,10 +73,12 @@ TRAIN_SCRIPT = os.path.join(REPO, "scripts", "train.py")
 BOOKKEEPING = ("_CHECKPOINTABLE_OBJECT_GRAPH", "save_counter")
 MODES = ("sentence", "stream")
 # Strategies one process can run (the matrix and the kill test use these); the cluster
-# ones need TF_CONFIG and a process per task (scripts/launch_local.py).
-IN_PROCESS = ("default", "one_device", "mirrored", "tower", "pipeline", "parallel_do")
-CLUSTER = ("multi_worker", "parameter_server")
-MULTI_DEVICE = {"mirrored": 2, "tower": 2, "pipeline": 2, "parallel_do": 2}  # default count
+# ones need TF_CONFIG and a process per task (scripts/launch_local.py). Read from the one
+# registry of strategies; a multi-device one's default count is the devices it needs.
+IN_PROCESS = tuple(n for n in registry.names() if not registry.traits(n).cluster)
+CLUSTER = tuple(n for n in registry.names() if registry.traits(n).cluster)
+MULTI_DEVICE = {n: registry.traits(n).min_cpu_devices for n in IN_PROCESS
+                if registry.traits(n).over}
 EXPORT_NAME = "tfpar_lm"
 
 
@@ -482,7 +485,7 @@ def strategy_flags(spec: str) -> list[str]:
     if name not in IN_PROCESS:
         raise ConfigError(f"unknown strategy {name!r} in {spec!r}; expected one of: "
                           + ", ".join(IN_PROCESS))
-    if name in ("default", "one_device"):
+    if name not in MULTI_DEVICE:
         if count_text:
             raise ConfigError(f"{spec!r}: {name} runs on one device; give it without a count")
         return ["--strategy", name]

@@ -248,6 +248,43 @@ def test_the_registry_has_every_strategy_and_refuses_async_for_a_sync_step():
         build_strategy(DistConfig(strategy="nope"))
 
 
+def strategy_name_tests(path: pathlib.Path, names) -> list[tuple[int, str]]:
+    """``(line, name)`` of every comparison in ``path`` with a strategy's name as a
+    literal (``== "parameter_server"``, ``in ("default", "one_device")``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Compare):
+            continue
+        for side in [node.left, *node.comparators]:
+            items = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+            found += [(node.lineno, i.value) for i in items
+                      if isinstance(i, ast.Constant) and i.value in names]
+    return found
+
+
+# Outside the plug-ins (a plug-in and its cluster tools know their own name), what a
+# strategy does is asked of the registry (its traits) or of the plug-in, never read off its
+# name. The benchmark's contenders are named like strategies ("default", "mirrored2").
+KNOWS_STRATEGY_NAMES = ("tfpar.parallel", "tfpar.tools.bench", "tfpar.tools.bench_pipeline")
+
+
+def test_no_strategy_is_told_by_its_name_outside_the_plug_ins():
+    from tfpar.parallel.registry import names
+
+    found = {name: strategy_name_tests(path, set(names()))
+             for name, path in all_modules().items()
+             if not name.startswith(KNOWS_STRATEGY_NAMES)}
+    assert not {name: hits for name, hits in found.items() if hits}
+
+
+def test_the_name_test_check_sees_equality_and_membership(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("if s == 'parameter_server':\n    pass\n"
+                      "ok = s in ('default', 'one_device') or s != 'tower_ring'\n")
+    assert strategy_name_tests(source, {"parameter_server", "default", "one_device"}) == [
+        (1, "parameter_server"), (3, "default"), (3, "one_device")]
+
+
 # ------------------------------------------------------------------ graph functions
 def tf_functions_without_autograph_off(path: pathlib.Path) -> list[int]:
     """Lines of ``tf.function`` decorators and calls in ``path`` that do not pass

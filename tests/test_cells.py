@@ -265,13 +265,13 @@ def test_a_bad_cell_is_one_line_and_leaves_nothing_on_disk(cell, extra, message,
 def test_parameter_server_refuses_a_custom_cell_in_one_line():
     from tfpar.config import ModelConfig
     from tfpar.errors import ConfigError
-    from tfpar.parallel.parameter_server import Coordinator
+    from tfpar.parallel.parameter_server import check_config
     from conftest import small_config
 
     config = small_config(model=ModelConfig(cell=THREE))
     with pytest.raises(ConfigError, match=r"^--cell cells:three_state: parameter_server's "
                                           r"partitioner may shard"):
-        Coordinator.check_config(None, config)
+        check_config(config)
 
 
 def test_a_cell_that_calls_python_is_refused_at_export_and_nothing_is_written(

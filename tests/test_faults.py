@@ -394,6 +394,27 @@ def test_usage_errors_exit_2_with_one_line(argv, message, capsys):
     assert len(err) == 1 and err[0].startswith(message), err
 
 
+def test_the_fault_tests_take_their_strategies_from_the_registry():
+    """A strategy registered in tfpar.parallel.registry, and nowhere else, is one the
+    fault tests run in one process, with its devices' default count (a fresh process:
+    the lists are read when the module is imported)."""
+    import subprocess
+    import sys
+
+    code = ("from tfpar.parallel import registry\n"
+            "registry.STRATEGIES['fake'] = registry.Strategy(None, 'devices', "
+            "min_cpu_devices=3)\n"
+            "import faults\n"
+            "print(faults.strategy_flags('fake'), faults.strategy_flags('fake:2'), "
+            "'fake' in faults.IN_PROCESS, faults.CLUSTER)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [REPO, os.path.join(REPO, "tests")])}).stdout
+    assert out.strip() == ("['--strategy', 'fake', '--cpu-devices', '3'] "
+                           "['--strategy', 'fake', '--cpu-devices', '2'] True "
+                           "('multi_worker', 'parameter_server')")
+
+
 @pytest.mark.parametrize("kind", ["file", "not empty"])
 def test_a_workdir_that_is_a_file_or_not_empty_is_refused(kind, tmp_path, capsys):
     path = tmp_path / "w"

@@ -128,10 +128,13 @@ def test_sharded_gradients_and_updates_match_unsharded_ones(tmp_path):
      "use --steps-per-execution 1"),
 ])
 def test_settings_asynchronous_training_cannot_honour(config, message):
-    tf_config = ps_config()
-    plugin = ps.Coordinator(None, None, parse_tf_config(tf_config))
+    from tfpar.parallel import registry
+
     with pytest.raises(ConfigError, match=message):
-        plugin.check_config(config)
+        ps.check_config(config)
+    # The registry's check: refused before the coordinator is built (no cluster here).
+    with pytest.raises(ConfigError, match=message):
+        registry.build_for(config.replace(dist={"strategy": "parameter_server"}))
 
 
 def ps_config(task_type="chief", index=0, ps_address="127.0.0.1:3", chief=True):

@@ -352,21 +352,21 @@ def test_default_stages_split_the_model_over_two_cpus():
 
 def test_a_tied_embedding_stays_with_the_softmax_on_accelerators():
     """The default rule with GPUs: a tied embedding is the softmax's matrix, so it goes on
-    the softmax's GPU, not the host CPU; the plug-in learns the tie from the run's config
-    before any variable is made. On CPUs the rule is unchanged."""
+    the softmax's GPU, not the host CPU; the plug-in is built knowing the tie (the model's
+    config), before any variable is made. On CPUs the rule is unchanged."""
     gpus = ["/device:GPU:0", "/device:GPU:1"]
-    plugin = PipelinePlugin(Placement(compute=gpus, host=CPU[0]), 2)
-    plugin.check_config(small_config(model=model_config(tie_embeddings=True)))
+    plugin = PipelinePlugin(Placement(compute=gpus, host=CPU[0], tied=True), 2)
     assert plugin.placement.stages(2) == [Stage(0, gpus[1], ("embedding",)),
                                           Stage(1, gpus[0], ("rnn_0",)),
                                           Stage(2, gpus[1], ("rnn_1", "softmax"))]
     assert plugin.devices == gpus
     untied = PipelinePlugin(Placement(compute=gpus, host=CPU[0]), 2)
-    untied.check_config(small_config())
     assert untied.placement.device_of("embedding") == CPU[0]
-    cpus = build_strategy(DistConfig(strategy="pipeline"))
-    cpus.check_config(small_config(model=model_config(tie_embeddings=True)))
+    cpus = build_strategy(DistConfig(strategy="pipeline"), model_config(tie_embeddings=True))
+    assert cpus.placement.tied
     assert cpus.placement.stages(2)[0] == Stage(0, CPU[0], ("embedding", "rnn_0"))
+    # The builder passes the tie on; without a model config it places an untied one.
+    assert not build_strategy(DistConfig(strategy="pipeline")).placement.tied
 
 
 def test_stages_group_consecutive_parts_and_may_revisit_a_device():
@@ -454,6 +454,44 @@ def test_train_main_pipeline_trains_evaluates_and_exports(tiny_args, tmp_path, e
     assert metrics["steps"] == 6
     assert np.isfinite(metrics["train_ppl"]) and np.isfinite(metrics["test_ppl"])
     assert os.path.exists(os.path.join(metrics["export_path"], "saved_model.pb"))
+
+
+def test_training_and_evaluation_place_a_tied_embedding_alike(tiny_args, tmp_path,
+                                                              monkeypatch, capsys):
+    """Placement is decided when the plug-in is built, for every command that builds one.
+    The default rule with accelerators (the embedding on a host device, the rest on the
+    compute devices; emulated here by CPU 0 as the host and CPU 1 as the one compute
+    device) keeps a tied embedding with the softmax: training's start-up line, training's
+    weights and ``tfpar-evaluate --model-dir``'s weights all put it on CPU 1."""
+    from tfpar.parallel.pipeline import plugin as pipeline_plugin
+    from tfpar.tools import evaluate
+
+    def accelerator_rule(dist, *args, **kwargs):
+        # The rule's GPU form on two CPUs; ``tied`` as the builder passes it.
+        return Placement(compute=[CPU[1]], host=CPU[0], *args, **kwargs)
+
+    monkeypatch.setattr(pipeline_plugin, "placement_from_config", accelerator_rule)
+    embedding_devices = []  # where each bound model's embedding lives (train, then eval)
+    bind = PipelinePlugin.bind
+
+    def recording_bind(self, model):
+        embedding_devices.append(tf.DeviceSpec.from_string(
+            model.embedding.trainable_variables[0].value.device).to_string())
+        return bind(self, model)
+
+    monkeypatch.setattr(PipelinePlugin, "bind", recording_bind)
+    args = [a for a in tiny_args if a != "--no-tie-embeddings"]
+    assert cli.train_main(args + ["--tie-embeddings", "--strategy", "pipeline",
+                                  "--max-steps", "2", "--no-export"]) == 0
+    log = capsys.readouterr().err
+    assert re.search(r"strategy pipeline: embedding on /device:CPU:1, default split over "
+                     r"/device:CPU:1", log), log
+    trained = set(embedding_devices)
+    assert trained == {"/job:localhost/replica:0/task:0/device:CPU:1"}, embedding_devices
+    embedding_devices.clear()
+    assert evaluate.main(["--model-dir", str(tmp_path / "run"), "--strategy", "pipeline",
+                          "--json"]) == 0
+    assert embedding_devices and set(embedding_devices) == trained
 
 
 def test_train_main_bad_stages_is_a_one_line_error(tiny_args, capsys):

@@ -109,3 +109,40 @@ def test_sampled_softmax_matches_default(strategy, replicas, mode, tie):
     got = run_sampled(strategy, replicas, mode, tie)
     # Norms, weights, slots, (stream) the carried state; eval: the full softmax, distributed.
     assert_equivalent(got, ref, sampled_setup(mode, tie))
+
+
+# ----------------------------------------------------------------- the plug-in contract
+@pytest.mark.parametrize("dist", [
+    DistConfig(), DistConfig(strategy="mirrored", devices=CPU[:2]),
+    DistConfig(strategy="tower", devices=CPU[:2]),
+    DistConfig(strategy="tower", devices=CPU[:2], tower_reduce="ring"),
+    DistConfig(strategy="parallel_do", devices=CPU[:2]),
+    DistConfig(strategy="pipeline", stages="embedding=/cpu:0,rnn=/cpu:1,softmax=/cpu:1"),
+], ids=["default", "mirrored", "tower", "tower_ring", "parallel_do", "pipeline"])
+def test_every_plug_in_gives_every_summed_gradient_the_steps_form(dist, monkeypatch):
+    """``sum_gradients``' contract: each variable's summed gradient goes through the step's
+    ``combine`` (the form the update takes), whether the plug-in adds the replicas' parts
+    itself or its all-reduce does (``tf.distribute``, the tower ring)."""
+    import collections
+    import dataclasses
+
+    from tfpar.objective import step
+
+    combined = collections.Counter()  # shapes of what combine returned, as traced
+    real = step.combine_gradients
+
+    def recording_combine_gradients(loss):
+        combine = real(loss)
+
+        def recording(parts):
+            out = combine(parts)
+            combined[tuple(out.shape)] += 1
+            return out
+        return recording
+
+    monkeypatch.setattr(step, "combine_gradients", recording_combine_gradients)
+    s = setup("sentence")
+    one_step = dataclasses.replace(s, spec=dataclasses.replace(s.spec, steps=1))
+    run_plugin(one_step, dist)
+    variables = collections.Counter(tuple(w.shape) for w in s.initial_weights)
+    assert combined >= variables, (combined, variables)

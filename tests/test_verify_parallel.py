@@ -37,8 +37,10 @@ def test_parse_strategies():
 
 
 @pytest.mark.parametrize("text,match", [
+    # Every registered synchronous strategy (the registry's order), then verify's variants.
     ("default,foo:2", r"unknown strategy 'foo' in --strategies; expected one of: default, "
-                      r"mirrored, tower"),
+                      r"one_device, mirrored, tower, pipeline, multi_worker, parallel_do, "
+                      r"tower_ring \(optionally NAME:REPLICAS\)$"),
     ("mirrored:x", r"replica count 'x' of 'mirrored:x' is not an integer"),
     ("mirrored:0", r"'mirrored:0': mirrored takes >= 1 replica\(s\), got 0"),
     ("default:2", r"'default:2': default takes exactly 1 replica\(s\), got 2"),
@@ -254,10 +256,11 @@ class OffByOnePercent(ParallelDo):
 def test_verify_fails_a_gradient_off_by_one_percent(monkeypatch, tmp_path, capsys):
     """The auto clip norm leaves some steps unclipped, so a gradient off by a constant
     factor moves the weights and the momentum slots differently: exit 1."""
+    # Registered, as a new strategy is, and nothing else: verify runs it on N devices.
     monkeypatch.setitem(tfpar.parallel.registry.STRATEGIES, "off_by_1pc",
                         tfpar.parallel.registry.Strategy(
-                            lambda dist: OffByOnePercent(list(dist.devices))))
-    monkeypatch.setitem(verify.RUNNERS, "off_by_1pc", Runner(verify.on_devices("off_by_1pc")))
+                            lambda dist, model: OffByOnePercent(list(dist.devices)),
+                            "devices"))
     path = tmp_path / "rows.json"
     argv = ["--strategies", "parallel_do:2,off_by_1pc:2", "--json", str(path)]
     assert verify.main(argv + SMALL) == 1

@@ -90,17 +90,6 @@ def settings_argv(parser: argparse.ArgumentParser, settings: Mapping[str, Any]) 
     return argv
 
 
-def _parser() -> argparse.ArgumentParser:
-    """tfpar-train's parser, raising ConfigError where the command would exit 2."""
-    parser = cli.train_parser()
-
-    def error(message: str):
-        raise ConfigError(message)
-
-    parser.error = error  # e.g. "argument --max-steps: invalid int value: 'x'"
-    return parser
-
-
 def make_config(**settings: Any) -> Config:
     """The Config ``tfpar-train`` builds from the flags ``settings`` name (see the
     module's docstring); no settings: the command's defaults.
@@ -109,7 +98,7 @@ def make_config(**settings: Any) -> Config:
       ConfigError: an unknown setting, a value the flag's parser refuses, or one the
         Config refuses (the same one-line messages as the command's).
     """
-    parser = _parser()
+    parser = cli.train_parser(raising=True)  # ConfigError where the command exits 2
     argv = settings_argv(parser, settings)
     args = parser.parse_args(argv)
     cli.setup_logging(args.verbose or args.log_device_placement)

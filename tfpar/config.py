@@ -136,7 +136,9 @@ def flag(default: Any, help: str, **spec: Any) -> Any:
     ``help`` is the flag's help; the flag is ``--<field-name>`` with dashes unless ``spec``
     says otherwise: ``name`` (the flag's name), ``group`` (its --help group, default the
     section's), ``metavar``, ``parse`` (text -> value, for a tuple field; ConfigError
-    naming the text when it cannot), ``cli=False`` (no flag of its own).
+    naming the text when it cannot), ``cli=False`` (no flag of its own), ``names`` (a
+    list --help ends the help with, kept where the names live: ``"strategies"``, the
+    registry's, tfpar.parallel.registry).
     """
     return dataclasses.field(default=default, metadata={"help": help, **spec})
 
@@ -506,8 +508,8 @@ class DistConfig:
     """How the work is spread over devices and processes."""
 
     strategy: str = flag(
-        "default", "default | one_device | mirrored | tower | pipeline | parallel_do | "
-        "multi_worker | parameter_server (tfpar.parallel.registry)")
+        "default", "how the work is spread, a strategy of tfpar.parallel.registry:",
+        names="strategies")  # --help lists the registry's names after this
     devices: tuple[str, ...] = flag(
         (), "comma-separated devices, e.g. /gpu:0,/gpu:1 or /cpu:0,/cpu:1 (default: every "
         "GPU, else logical CPU devices)", parse=parse_devices)

@@ -35,9 +35,10 @@ here. The plug-in offers:
   its device, the outputs in the plug-in's per-replica form (``gradient_pieces`` and
   ``loss_pieces``, by default ``replicate`` of :func:`replica_gradients` and
   :func:`forward`, are where the pipeline's micro-batch schedule comes in instead);
-* ``sum(values, combine)`` / ``sum_gradients(grads, variables, combine)``: each value's
-  sum over the replicas, ``combine`` (this module's) run where the plug-in sums
-  (``tf.distribute``: its all-reduce, then ``combine`` on every replica's copy);
+* ``sum(values)``: each scalar's sum over the replicas; ``sum_gradients(grads,
+  variables, combine)``: each gradient's, ``combine`` (this module's) giving it the form
+  the update takes where the plug-in adds (``tf.distribute``, the tower ring: their
+  all-reduce adds, then ``combine`` on the result);
 * ``norm(grads, variables)``: where the global norm of the sum is taken;
 * ``join_states(finals)``: the replicas' final states as one carried state;
 * ``run_update(optimizer, update, grads)``: runs the step's update (:func:`apply_scaled`,
@@ -125,9 +126,9 @@ def any_shape_specs(values):
                                  values)
 
 
-def forward(model, batch: dict, state=None, training: bool = False, *, loss,
-            for_gradient: bool = False):
-    """Runs the model on one batch and scores it with the full softmax.
+def forward(model, batch: dict, state=None, *, loss):
+    """Runs the model on one batch, without dropout, and scores it with the full softmax
+    (evaluation; training's loss is :func:`training_loss`).
 
     Args:
       batch: {"inputs": [b, T] int32, "targets": [b, T] int32}, and "rows" [b] int32
@@ -135,15 +136,13 @@ def forward(model, batch: dict, state=None, training: bool = False, *, loss,
         rows are a replica's share (``tfpar.parallel.rows``), at least one row.
       state: initial recurrent state (one list of [b, H] tensors per layer) or None.
       loss: the output loss (``tfpar.objective.output``).
-      for_gradient: the loss will be differentiated (the fused softmax then computes its
-        gradient with the loss).
 
     Returns:
       ``(nll_sum, count, final_state)``, float32 scalars and the state structure.
     """
-    x, final = model.features(batch["inputs"], initial_state=state, training=training,
+    x, final = model.features(batch["inputs"], initial_state=state, training=False,
                               rows=batch.get("rows"))
-    nll_sum, count = loss.nll(model, x, batch["targets"], for_gradient=for_gradient)
+    nll_sum, count = loss.nll(model, x, batch["targets"])
     return nll_sum, count, final
 
 
@@ -373,12 +372,12 @@ def aggregate(plugin, model, loss, batch, state) -> Aggregated:
     with tf.name_scope("token_count"):  # the replicas' name scopes stay their gradients'
         counts = plugin.replicate(lambda rows, _: losses.token_count(rows["targets"]),
                                   batch, None)
-        count = plugin.sum(counts, add)
+        count = plugin.sum(counts)
     grads, nll, final = plugin.gradient_pieces(model, loss, batch, state,
                                                tf.maximum(count, 1.0))
     grads = plugin.sum_gradients(grads, model.trainable_variables, combine_gradients(loss))
     return Aggregated(grads=grads, norm=plugin.norm(grads, model.trainable_variables),
-                      nll_sum=plugin.sum(nll, add), count=count,
+                      nll_sum=plugin.sum(nll), count=count,
                       state=plugin.join_states(final))
 
 
@@ -386,7 +385,7 @@ def evaluate(plugin, model, loss, batch, state) -> tuple[tf.Tensor, tf.Tensor, A
     """``(nll_sum, count, final_state)`` of the whole batch without gradients: each
     replica's :func:`forward` (the plug-in's ``loss_pieces``), summed."""
     nll, count, final = plugin.loss_pieces(model, loss, batch, state)
-    return plugin.sum(nll, add), plugin.sum(count, add), plugin.join_states(final)
+    return plugin.sum(nll), plugin.sum(count), plugin.join_states(final)
 
 
 def one_update(plugin, model, optimizer, *, clip_norm: float, loss):

@@ -4,12 +4,16 @@ A plug-in says *where* things run; what a step computes is written once, in
 ``tfpar.objective.step`` (the token count, each replica's gradients, their sum, the
 norm, the clip, the finite guard and the update). A plug-in owns:
 
-* its devices (or ``tf.distribute`` strategy) and the scope its variables are made in;
+* its devices (or ``tf.distribute`` strategy) and the scope its variables are made in,
+  decided when it is built (``tfpar.parallel.registry``: from the distribution config
+  and the model config; nothing changes them later);
 * turning a dataset function into the batches its steps take (``distribute``);
 * ``replicate``: a function run on each replica's rows, on its device;
-* ``sum`` / ``sum_gradients``: where (and by which all-reduce) the replicas' values are
-  summed, the step's ``combine`` run there; ``norm``: where the global norm is taken;
-  ``join_states``: the replicas' final states as one;
+* ``sum``: where (and by which reduction) the replicas' scalars are added;
+  ``sum_gradients``: where (and by which all-reduce) the replicas' gradients are added,
+  each variable's result handed to the step's ``combine``, which gives it the form the
+  update takes; ``norm``: where the global norm is taken; ``join_states``: the
+  replicas' final states as one;
 * ``run_update``: where the one update runs (``place_update``: where each weight's
   gradient is scaled by the clip factor).
 
@@ -110,14 +114,19 @@ class StrategyPlugin(abc.ABC):
         """Context in which the model and optimizer variables are created."""
         return contextlib.nullcontext()
 
-    def check_config(self, config) -> None:
-        """Raises ``ConfigError`` for run settings this plug-in cannot honour."""
+    @property
+    def cluster_resolver(self):
+        """The ``ClusterResolver`` of a job whose processes must stop together, after
+        the same step, on a stop signal to any of them (``tfpar.training.preemption``);
+        None: this process stops alone."""
+        return None
 
     def bind(self, model) -> None:
         """Called by the step before it is traced for ``model`` (the pipeline resolves its
         stages here, so a ``--stages`` the model cannot honour fails before tracing)."""
 
     def describe(self) -> str:
+        """One line for the start-up log: the strategy and where it runs."""
         return f"{self.name}: {self.num_replicas} replica(s) on {', '.join(self.devices)}"
 
     @abc.abstractmethod
@@ -136,17 +145,23 @@ class StrategyPlugin(abc.ABC):
           :meth:`sum` and :meth:`join_states` take).
         """
 
-    def sum(self, values, combine: Combine) -> Any:
-        """Each per-replica leaf of ``values`` summed over the replicas: ``combine(parts)``
-        (the step's) where this plug-in sums. Returns plain tensors. Default: each
-        :class:`Parts` on its device."""
-        return sum_parts(values, combine)
+    def sum(self, values) -> Any:
+        """Each per-replica scalar of ``values`` (token counts, losses) added over the
+        replicas where this plug-in adds them. Returns plain tensors. Default: each
+        :class:`Parts` added on its device."""
+        return sum_parts(values, step.add)
 
     def sum_gradients(self, grads: list, variables: list, combine: Combine) -> list:
         """The gradients (one per-replica value per trainable variable, in ``variables``'
-        order) summed over the replicas, in the form :meth:`run_update` hands the
-        update. Default: :meth:`sum`."""
-        return self.sum(grads, combine)
+        order) added over the replicas, in the form :meth:`run_update` hands the update.
+
+        ``combine(parts)`` (the step's, ``tfpar.objective.step.combine_gradients``) is
+        one variable's summed gradient in the form the update takes (dense, or with the
+        sampled softmax deduplicated rows). A plug-in calls it on every variable: on the
+        replicas' parts where it adds them itself, or on its all-reduce's result (one
+        part) where the all-reduce adds them (``tf.distribute``, the tower ring).
+        Default: each :class:`Parts` combined on its device."""
+        return sum_parts(grads, combine)
 
     def norm(self, grads: list, variables: list) -> tf.Tensor:
         """The global norm of :meth:`sum_gradients`' result."""

@@ -3,9 +3,9 @@
 Placement: ``strategy.run`` runs a replica's share of the one step
 (``tfpar.objective.step``) on each replica's device. Sums: scalars (the token count, the
 loss) with ``strategy.reduce``; the gradients all-reduced once, by the strategy's
-cross-device ops, into a copy of the sum on every replica, which gives the global norm
-(for the clip factor) and is what every replica's optimizer applies, told not to sum
-again (Keras 3's ``apply_gradients`` all-reduces in a replica context by itself, which
+cross-device ops, into a copy of the sum on every replica (given its form by the step's
+``combine``), which gives the global norm (for the clip factor) and is what every
+replica's optimizer applies, told not to sum again (Keras 3's ``apply_gradients`` all-reduces in a replica context by itself, which
 would be a second all-reduce of every gradient each step; see
 :func:`tfpar.compat.summed_already`).
 Sparse gradients (``tf.IndexedSlices``, the sampled softmax's) all-reduce as a gather of
@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from tfpar import compat
 from tfpar.parallel import devices as devices_lib
-from tfpar.config import DistConfig
+from tfpar.config import DistConfig, ModelConfig
 from tfpar.errors import ConfigError
 from tfpar.parallel import rows
 from tfpar.parallel.base import StrategyPlugin
@@ -82,7 +82,7 @@ class DistributePlugin(StrategyPlugin):
             return fn(rows_, state_)
         return self.strategy.run(share, args=(batch, state))
 
-    def sum(self, values, combine):
+    def sum(self, values):
         """Scalars (losses, token counts): ``strategy.reduce``."""
         return tf.nest.map_structure(lambda v: self.strategy.reduce(SUM, v, axis=None), values)
 
@@ -153,13 +153,14 @@ def cross_device_ops(all_reduce: str, device_names: list[str]):
     return tf.distribute.ReductionToOneDevice(reduce_to_device=device_names[0])
 
 
-def build_default(dist: DistConfig) -> DistributePlugin:
+def build_default(dist: DistConfig, model: ModelConfig | None = None) -> DistributePlugin:
     """No distribution: TF's default strategy on whatever device TF picks."""
     return DistributePlugin("default", tf.distribute.get_strategy(), ["/device:CPU:0"
                             if devices_lib.num_gpus() == 0 else "/device:GPU:0"])
 
 
-def build_one_device(dist: DistConfig) -> DistributePlugin:
+def build_one_device(dist: DistConfig, model: ModelConfig | None = None
+                     ) -> DistributePlugin:
     """``OneDeviceStrategy`` on ``--devices`` (one device) or the first GPU/CPU."""
     if len(dist.devices) > 1:
         raise ConfigError(f"one_device takes one device, got --devices {','.join(dist.devices)}")
@@ -168,7 +169,7 @@ def build_one_device(dist: DistConfig) -> DistributePlugin:
     return DistributePlugin("one_device", tf.distribute.OneDeviceStrategy(names[0]), names)
 
 
-def build_mirrored(dist: DistConfig) -> DistributePlugin:
+def build_mirrored(dist: DistConfig, model: ModelConfig | None = None) -> DistributePlugin:
     """``MirroredStrategy`` over ``--devices``, all GPUs, or logical CPU devices."""
     names = devices_lib.data_parallel_devices(dist)
     ops = cross_device_ops(dist.all_reduce, names)

@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from tfpar.parallel.cluster.tf_config import ClusterConfig, check_port_free, require_cluster
 from tfpar.parallel import devices as devices_lib
-from tfpar.config import DistConfig
+from tfpar.config import DistConfig, ModelConfig
 from tfpar.errors import ClusterError, ConfigError, command
 from tfpar.parallel.distribute import DistributePlugin
 
@@ -79,6 +79,11 @@ class MultiWorkerPlugin(DistributePlugin):
     def devices(self) -> list[str]:
         return self._all_devices
 
+    @property
+    def cluster_resolver(self):
+        """The job's workers stop together (one worker alone has no one to agree with)."""
+        return self.strategy.cluster_resolver if self.num_workers > 1 else None
+
     def describe(self) -> str:
         return (f"multi_worker: {self.num_replicas} replica(s) on {self.num_workers} worker(s); "
                 f"this is {self.cluster.task_name} at {self.cluster.address}"
@@ -97,7 +102,8 @@ def communication_options(name: str) -> tf.distribute.experimental.Communication
     return tf.distribute.experimental.CommunicationOptions(implementation=COMMUNICATION[name])
 
 
-def build_multi_worker(dist: DistConfig) -> MultiWorkerPlugin:
+def build_multi_worker(dist: DistConfig, model: ModelConfig | None = None
+                       ) -> MultiWorkerPlugin:
     """``MultiWorkerMirroredStrategy`` over the cluster ``TF_CONFIG`` describes.
 
     Raises:

@@ -9,8 +9,9 @@ every device and merges. Here the block is the one replica step of
     merge:  sum_d (on the variable device); states concatenated
 
 It is also the worked example of what a synchronous strategy consists of: a class with
-``num_replicas``, ``devices``, ``distribute``, ``replicate``, ``sum`` and
-``run_update``, a builder, and one line in ``tfpar.parallel.registry.STRATEGIES``. ``tower``
+``num_replicas``, ``devices``, ``scope``, ``distribute``, ``replicate``, ``sum_gradients``,
+``norm`` and ``run_update`` (the base class's ``sum`` adds its ``Parts``), a builder of
+``(DistConfig, ModelConfig)``, and one line in ``tfpar.parallel.registry.STRATEGIES``. ``tower``
 (``tfpar.parallel.tower``) is this strategy with a choice of variable device and of
 reduction (a ring).
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfpar.config import DistConfig
+from tfpar.config import DistConfig, ModelConfig
 from tfpar.parallel import rows
 from tfpar.parallel.base import StrategyPlugin, parts_of, sum_parts
 from tfpar.parallel.devices import data_parallel_devices
@@ -78,6 +79,6 @@ class ParallelDo(StrategyPlugin):
             update(grads)
 
 
-def build_parallel_do(dist: DistConfig) -> ParallelDo:
+def build_parallel_do(dist: DistConfig, model: ModelConfig | None = None) -> ParallelDo:
     """On ``--devices``, all GPUs, or ``--cpu-devices`` logical CPUs (default 2)."""
     return ParallelDo(data_parallel_devices(dist))

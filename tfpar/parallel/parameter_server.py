@@ -56,7 +56,7 @@ import threading
 import tensorflow as tf
 
 from tfpar import compat
-from tfpar.config import DistConfig
+from tfpar.config import DistConfig, ModelConfig
 from tfpar.errors import ClusterError, ConfigError, command
 from tfpar.model.lm import detached_copy
 from tfpar.objective import losses, step
@@ -211,6 +211,48 @@ def apply_update(optimizer, grads, variables) -> None:
     optimizer.iterations.value.assign_add(1)
 
 
+def check_config(config) -> None:
+    """Refuses the run settings asynchronous training cannot honour (before the
+    coordinator is built: the registry's ``check``).
+
+    Raises:
+      ConfigError: naming the setting and what to use instead.
+    """
+    if config.model.custom_cell:
+        raise ConfigError(f"--cell {config.model.cell}: parameter_server's partitioner "
+                          "may shard a cell's weights along rows the cell does not know "
+                          "of; train a cell of your own with a synchronous strategy "
+                          "(default, mirrored, tower, parallel_do, pipeline, multi_worker)")
+    if config.data.mode == "stream":
+        raise ConfigError("--mode stream carries the RNN state from one window to the next, "
+                          "which asynchronous workers cannot do; use --mode sentence with "
+                          "--strategy parameter_server")
+    if config.train.weight_decay:
+        raise ConfigError(f"--weight-decay {config.train.weight_decay}: parameter_server "
+                          "updates variables one by one with the optimizer's update_step, "
+                          "which leaves weight decay out; use a synchronous strategy or "
+                          "--weight-decay 0")
+    if config.train.ema_momentum:
+        raise ConfigError(f"--ema-momentum {config.train.ema_momentum:g}: parameter_server "
+                          "updates variables one by one with the optimizer's update_step, "
+                          "which keeps no moving average; use a synchronous strategy or "
+                          "--ema-momentum 0")
+    # Given (unset, the run decides: one step per call for scheduled steps).
+    if config.train.steps_per_execution not in (None, 1):
+        raise ConfigError(f"--steps-per-execution {config.train.steps_per_execution}: "
+                          "parameter_server schedules every step on a worker without "
+                          "waiting for it already; use --steps-per-execution 1")
+    if config.model.precision == "mixed_float16":
+        raise ConfigError("--precision mixed_float16: parameter_server updates variables "
+                          "one by one with the optimizer's update_step, which has no "
+                          "loss scaling; use --precision mixed_bfloat16 or a synchronous "
+                          "strategy")
+    if config.run.profile_steps:
+        raise ConfigError("--profile-steps profiles steps in the training process, but "
+                          "parameter_server steps run on the workers; profile a "
+                          "single-process strategy instead")
+
+
 class Coordinator:
     """The chief's side of parameter-server training: schedules steps, evaluates.
 
@@ -222,6 +264,9 @@ class Coordinator:
 
     name = "parameter_server"
     is_chief = True
+    # A stop signal to the chief stops the job from here (the loop's ``job_chief``); the
+    # workers and ps tasks have no step of their own to agree on.
+    cluster_resolver = None
 
     def __init__(self, strategy: tf.distribute.ParameterServerStrategy,
                  coordinator: tf.distribute.coordinator.ClusterCoordinator,
@@ -247,40 +292,6 @@ class Coordinator:
     def describe(self) -> str:
         return (f"parameter_server: coordinator {self.cluster.address}, "
                 f"{self.num_workers} worker(s), {self.cluster.count('ps')} ps task(s)")
-
-    def check_config(self, config) -> None:
-        if config.model.custom_cell:
-            raise ConfigError(f"--cell {config.model.cell}: parameter_server's partitioner "
-                              "may shard a cell's weights along rows the cell does not know "
-                              "of; train a cell of your own with a synchronous strategy "
-                              "(default, mirrored, tower, parallel_do, pipeline, multi_worker)")
-        if config.data.mode == "stream":
-            raise ConfigError("--mode stream carries the RNN state from one window to the next, "
-                              "which asynchronous workers cannot do; use --mode sentence with "
-                              "--strategy parameter_server")
-        if config.train.weight_decay:
-            raise ConfigError(f"--weight-decay {config.train.weight_decay}: parameter_server "
-                              "updates variables one by one with the optimizer's update_step, "
-                              "which leaves weight decay out; use a synchronous strategy or "
-                              "--weight-decay 0")
-        if config.train.ema_momentum:
-            raise ConfigError(f"--ema-momentum {config.train.ema_momentum:g}: parameter_server "
-                              "updates variables one by one with the optimizer's update_step, "
-                              "which keeps no moving average; use a synchronous strategy or "
-                              "--ema-momentum 0")
-        if (config.train.steps_per_execution or 1) > 1:
-            raise ConfigError(f"--steps-per-execution {config.train.steps_per_execution}: "
-                              "parameter_server schedules every step on a worker without "
-                              "waiting for it already; use --steps-per-execution 1")
-        if config.model.precision == "mixed_float16":
-            raise ConfigError("--precision mixed_float16: parameter_server updates variables "
-                              "one by one with the optimizer's update_step, which has no "
-                              "loss scaling; use --precision mixed_bfloat16 or a synchronous "
-                              "strategy")
-        if config.run.profile_steps:
-            raise ConfigError("--profile-steps profiles steps in the training process, but "
-                              "parameter_server steps run on the workers; profile a "
-                              "single-process strategy instead")
 
     @contextlib.contextmanager
     def scope(self):
@@ -433,7 +444,7 @@ def server_task(dist: DistConfig) -> ServerTask | None:
     return None if config.task_type == "chief" else ServerTask(config)
 
 
-def build_coordinator(dist: DistConfig) -> Coordinator:
+def build_coordinator(dist: DistConfig, model: ModelConfig | None = None) -> Coordinator:
     """The coordinator, on the chief of the cluster TF_CONFIG describes.
 
     Raises:

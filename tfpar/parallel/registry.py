@@ -1,63 +1,140 @@
-"""Strategies by name; :func:`build_strategy` is the one way to get a synchronous one.
+"""Strategies by name: the one list of them (flags, tools and tests read it here).
 
-Each synchronous plug-in lives in its own module and registers a builder here (a new
-strategy is one module and one line in :data:`STRATEGIES`). "No distribution" is the
-``default`` plug-in (TF's default strategy), never ``None``, so callers never branch.
-Asynchronous parameter-server training is its own path (:data:`ASYNCHRONOUS`): the
-training run picks it before any plug-in is built.
+:func:`build_strategy` is the one way to get a synchronous plug-in, :func:`build_for` the
+one way a command gets what runs its config (the plug-in, or the asynchronous
+coordinator). Each synchronous plug-in lives in its own module and registers a builder
+here (a new strategy is one module and one line in :data:`STRATEGIES`). "No distribution"
+is the ``default`` plug-in (TF's default strategy), never ``None``, so callers never
+branch. Asynchronous parameter-server training is its own path (:data:`ASYNCHRONOUS`):
+the training run picks it before any plug-in is built.
+
+Placement is decided when a plug-in is built, from the distribution config and the model
+config it will place (the pipeline keeps a tied embedding with the softmax), so every
+command that builds one (training, evaluation, the side-car evaluator) places the model
+alike, and what ``describe()`` logs is what runs. Export and generation build no
+plug-in: they rebuild the model outside any strategy (``tfpar.serving.export``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from tfpar.config import DistConfig
+from tfpar.config import Config, DistConfig, ModelConfig
 from tfpar.errors import ConfigError
-from tfpar.parallel import devices, distribute
-from tfpar.parallel import multi_worker
-from tfpar.parallel import parallel_do
-from tfpar.parallel import parameter_server
-from tfpar.parallel.pipeline import plugin as pipeline
-from tfpar.parallel.pipeline import stages as pipeline_stages
-from tfpar.parallel import tower
-from tfpar.parallel.base import StrategyPlugin
+
+if TYPE_CHECKING:
+    from tfpar.parallel.base import StrategyPlugin
 
 
 @dataclasses.dataclass(frozen=True)
 class Strategy:
-    """A strategy's builder and the traits a run's set-up reads before TensorFlow starts
-    (logical devices and thread pools are fixed when its runtime initialises)."""
+    """A strategy's builder and the traits a run's set-up and the tools read before
+    TensorFlow starts (logical devices and thread pools are fixed when its runtime
+    initialises)."""
 
-    # DistConfig -> the plug-in (synchronous) or the coordinator (asynchronous).
-    build: Callable[[DistConfig], Any]
+    # (DistConfig, ModelConfig or None) -> the plug-in (synchronous) or the coordinator
+    # (asynchronous), its placement decided for that model.
+    build: Callable[[DistConfig, ModelConfig | None], Any]
+    # What a run's N counts: "" (one device), "devices" (data-parallel replicas on N
+    # devices), "stages" (the model cut into N stages on N devices), "workers" (N
+    # processes of a cluster).
+    over: str = ""
     # Logical CPU devices it needs at least on a host without GPUs (its replicas or
     # stages); more when --devices or --stages name a higher one.
     min_cpu_devices: int = 1
     # Its devices work at once (replicas, stages): on N >= 2 logical CPU devices each op
     # gets the host's cores / N threads (tfpar.parallel.devices.intra_op_threads).
     splits_threads: bool = False
-    # Processes of a cluster (TF_CONFIG or a Slurm step): one CPU device per task, and
-    # the collective runtime is configured by the strategy itself.
-    cluster: bool = False
+    # Cluster tasks that only serve (asynchronous training's worker and ps tasks):
+    # DistConfig -> this process's task (``describe()``, ``serve()``), or None for the
+    # task that trains. None: every task trains.
+    server_task: Callable[[DistConfig], Any] | None = None
+    # Config -> None, or ConfigError for run settings it cannot honour; run by
+    # :func:`build_for` before anything is built. None: it honours every setting.
+    check: Callable[[Config], None] | None = None
+
+    @property
+    def cluster(self) -> bool:
+        """Processes of a cluster (TF_CONFIG or a Slurm step): one CPU device per task,
+        the collective runtime configured by the strategy itself; not run in one
+        process."""
+        return self.over == "workers"
+
+
+# The builders import their plug-in's module when called: the registry itself imports no
+# TensorFlow, so the flags' help and the tools read it before TensorFlow starts.
+def _default(dist, model):
+    from tfpar.parallel import distribute
+    return distribute.build_default(dist, model)
+
+
+def _one_device(dist, model):
+    from tfpar.parallel import distribute
+    return distribute.build_one_device(dist, model)
+
+
+def _mirrored(dist, model):
+    from tfpar.parallel import distribute
+    return distribute.build_mirrored(dist, model)
+
+
+def _tower(dist, model):
+    from tfpar.parallel import tower
+    return tower.build_tower(dist, model)
+
+
+def _pipeline(dist, model):
+    from tfpar.parallel.pipeline import plugin
+    return plugin.build_pipeline(dist, model)
+
+
+def _multi_worker(dist, model):
+    from tfpar.parallel import multi_worker
+    return multi_worker.build_multi_worker(dist, model)
+
+
+def _parallel_do(dist, model):
+    from tfpar.parallel import parallel_do
+    return parallel_do.build_parallel_do(dist, model)
+
+
+def _coordinator(dist, model):
+    from tfpar.parallel import parameter_server
+    return parameter_server.build_coordinator(dist, model)
+
+
+def _parameter_server_task(dist):
+    from tfpar.parallel import parameter_server
+    return parameter_server.server_task(dist)
+
+
+def _parameter_server_check(config):
+    from tfpar.parallel import parameter_server
+    parameter_server.check_config(config)
 
 
 # name -> Strategy. A new synchronous strategy: its module, and one line here.
 STRATEGIES: dict[str, Strategy] = {
-    "default": Strategy(distribute.build_default),
-    "one_device": Strategy(distribute.build_one_device),
-    "mirrored": Strategy(distribute.build_mirrored, min_cpu_devices=2, splits_threads=True),
-    "tower": Strategy(tower.build_tower, min_cpu_devices=2, splits_threads=True),
-    "pipeline": Strategy(pipeline.build_pipeline, min_cpu_devices=2, splits_threads=True),
-    "multi_worker": Strategy(multi_worker.build_multi_worker, cluster=True),
-    "parallel_do": Strategy(parallel_do.build_parallel_do, min_cpu_devices=2,
-                            splits_threads=True),
+    "default": Strategy(_default),
+    "one_device": Strategy(_one_device),
+    "mirrored": Strategy(_mirrored, "devices", min_cpu_devices=2, splits_threads=True),
+    "tower": Strategy(_tower, "devices", min_cpu_devices=2, splits_threads=True),
+    "pipeline": Strategy(_pipeline, "stages", min_cpu_devices=2, splits_threads=True),
+    "multi_worker": Strategy(_multi_worker, "workers"),
+    "parallel_do": Strategy(_parallel_do, "devices", min_cpu_devices=2, splits_threads=True),
 }
 # Strategies that train asynchronously, with no synchronous update to place (their own
 # loop, tfpar.training.async_loop.AsyncLoop); ``build`` makes the coordinator.
 ASYNCHRONOUS: dict[str, Strategy] = {
-    "parameter_server": Strategy(parameter_server.build_coordinator, cluster=True),
+    "parameter_server": Strategy(_coordinator, "workers", server_task=_parameter_server_task,
+                                 check=_parameter_server_check),
 }
+
+
+def names() -> list[str]:
+    """Every registered strategy, synchronous ones first."""
+    return list(STRATEGIES) + list(ASYNCHRONOUS)
 
 
 def traits(name: str) -> Strategy:
@@ -66,23 +143,54 @@ def traits(name: str) -> Strategy:
     return STRATEGIES.get(name) or ASYNCHRONOUS.get(name) or Strategy(build_strategy)
 
 
-def build_strategy(dist: DistConfig) -> StrategyPlugin:
-    """Builds the plug-in named by ``dist.strategy``.
+def is_asynchronous(name: str) -> bool:
+    """Whether ``name`` trains asynchronously (its own loop, no synchronous plug-in)."""
+    return name in ASYNCHRONOUS
+
+
+def _unknown(name: str) -> ConfigError:
+    return ConfigError(f"unknown strategy {name!r}; expected one of: {', '.join(names())}")
+
+
+def build_strategy(dist: DistConfig, model: ModelConfig | None = None) -> StrategyPlugin:
+    """Builds the plug-in named by ``dist.strategy``, its placement decided for ``model``
+    (None: a model whose placement needs nothing of its config, i.e. an untied
+    embedding; a command that runs a whole config uses :func:`build_for`).
 
     Raises:
-      ConfigError: the name is unknown (the message lists the known ones).
+      ConfigError: the name is unknown (the message lists the known ones), or
+        asynchronous.
     """
     if dist.strategy in ASYNCHRONOUS:
         raise ConfigError(f"{dist.strategy} trains asynchronously: it has no synchronous "
                           f"step; use one of: {', '.join(STRATEGIES)}")
-    try:
-        builder = STRATEGIES[dist.strategy]
-    except KeyError:
-        raise ConfigError(
-            f"unknown strategy {dist.strategy!r}; expected one of: "
-            f"{', '.join(list(STRATEGIES) + list(ASYNCHRONOUS))}"
-        ) from None
-    return builder.build(dist)
+    if dist.strategy not in STRATEGIES:
+        raise _unknown(dist.strategy)
+    return STRATEGIES[dist.strategy].build(dist, model)
+
+
+def build_for(config: Config):
+    """What runs ``config``: the synchronous plug-in, or the coordinator of asynchronous
+    training, built for ``config.dist`` with its placement decided for ``config.model``
+    (nothing changes it later: log its ``describe()`` any time after this), once the
+    strategy's ``check`` has accepted the run's settings.
+
+    Raises:
+      ConfigError: an unknown strategy name, or settings the strategy cannot honour.
+    """
+    check = traits(config.dist.strategy).check
+    if check is not None:
+        check(config)
+    if config.dist.strategy in ASYNCHRONOUS:
+        return ASYNCHRONOUS[config.dist.strategy].build(config.dist, config.model)
+    return build_strategy(config.dist, config.model)
+
+
+def server_task(dist: DistConfig):
+    """This process's serving task when ``dist``'s strategy has tasks that only serve
+    and this is one of them (it then serves instead of training), else None."""
+    serve = traits(dist.strategy).server_task
+    return serve(dist) if serve is not None else None
 
 
 def cpu_devices_needed(dist: DistConfig) -> int:
@@ -92,8 +200,10 @@ def cpu_devices_needed(dist: DistConfig) -> int:
         return 1
     if dist.cpu_devices:
         return dist.cpu_devices
+    from tfpar.parallel.pipeline import stages  # (see the builders above)
+
     needed = 1
-    for name in dist.devices + pipeline_stages.stage_device_names(dist.stages):
+    for name in dist.devices + stages.stage_device_names(dist.stages):
         if name.strip().lower().lstrip("/").startswith("cpu:"):
             needed = max(needed, int(name.rsplit(":", 1)[1]) + 1)
     return max(needed, traits(dist.strategy).min_cpu_devices)
@@ -102,5 +212,7 @@ def cpu_devices_needed(dist: DistConfig) -> int:
 def intra_op_threads(dist: DistConfig, cpu_devices: int) -> int:
     """Threads one op may use for this run (0: TensorFlow's default), as
     :func:`tfpar.parallel.devices.intra_op_threads` decides it for this strategy."""
+    from tfpar.parallel import devices  # (see the builders above)
+
     return devices.intra_op_threads(dist, cpu_devices,
                                     split=traits(dist.strategy).splits_threads)

@@ -47,7 +47,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from tfpar.config import DistConfig
+from tfpar.config import DistConfig, ModelConfig
 from tfpar.parallel import devices as devices_lib
 from tfpar.parallel.parallel_do import ParallelDo
 
@@ -83,8 +83,9 @@ class TowerPlugin(ParallelDo):
         if dense:
             summed = self._ring_sum_dense([[g[i] for i in dense] for g in tower_grads],
                                           [shapes[i] for i in dense], source)
-            for i, g in zip(dense, summed):
-                out[i] = g
+            with tf.device(self.variable_device), tf.name_scope("ring_result"):
+                for i, g in zip(dense, summed):
+                    out[i] = combine([g])  # the ring added the parts: the form only
         for i in (i for i, s in enumerate(sparse) if s):
             # tf.IndexedSlices have no fixed length to cut into chunks: their rows go
             # round the ring whole (an all-gather), and every tower sums the same rows.
@@ -178,7 +179,7 @@ def default_variable_device(tower_devices: list[str]) -> str:
     return tower_devices[0]
 
 
-def build_tower(dist: DistConfig) -> TowerPlugin:
+def build_tower(dist: DistConfig, model: ModelConfig | None = None) -> TowerPlugin:
     """Towers on ``--devices``, all GPUs, or ``--cpu-devices`` logical CPUs (default 2).
 
     Raises:

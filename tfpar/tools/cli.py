@@ -20,6 +20,7 @@ from typing import Callable, Mapping, Sequence
 from tfpar import compat
 from tfpar import config as cfg
 from tfpar.errors import TfparError
+from tfpar.parallel import registry
 from tfpar.tools.parsing import Parser
 
 # The flags are made from the Config's fields: a flag's default and help are its
@@ -41,6 +42,8 @@ GROUPS = {"dist": "distribution", "data": "data", "model": "model", "train": "tr
           "run": "outputs"}
 SECTIONS = {"data": cfg.DataConfig, "model": cfg.ModelConfig, "train": cfg.TrainConfig,
             "dist": cfg.DistConfig, "run": cfg.RunConfig}
+# A field's ``names`` metadata -> the names its --help lists (tfpar.config.flag).
+NAMES: dict[str, Callable[[], list[str]]] = {"strategies": registry.names}
 # --synthetic-sentences TRAIN,VALID,TEST sets three DataConfig fields.
 SYNTHETIC = ("synthetic_train", "synthetic_valid", "synthetic_test")
 
@@ -61,6 +64,8 @@ class Flag:
 
     def add_to(self, group: compat.ArgumentGroup) -> None:
         help_ = self.metadata["help"]
+        if "names" in self.metadata:  # a list kept where its names live
+            help_ += " " + " | ".join(NAMES[self.metadata["names"]]())
         kwargs: dict = {"dest": self.dest}
         if self.kind is bool and (self.default or self.optional):
             # --x / --no-x; argparse adds "(default: ...)" itself where the default is a bool.
@@ -142,9 +147,12 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
     _add_flags(p, list(GROUPS))
 
 
-def train_parser(prog: str = "tfpar-train") -> argparse.ArgumentParser:
+def train_parser(prog: str = "tfpar-train", *, raising: bool = False
+                 ) -> argparse.ArgumentParser:
+    """``tfpar-train``'s flags (``raising``: errors raise ConfigError, :class:`Parser`)."""
     p = Parser(
         prog=prog,
+        raising=raising,
         description="Train an RNN language model on one or many devices, evaluate it, "
                     "write TensorBoard events and export a SavedModel.",
         # No abbreviations: a preset merges with the flags given by their full names, so
@@ -224,7 +232,7 @@ def prepare_runtime(dist: cfg.DistConfig,
       DeviceError: TensorFlow was initialised with fewer logical CPU devices than ``dist``
         needs (the message ends with ``too_late``: what to do instead).
     """
-    from tfpar.parallel import devices, registry
+    from tfpar.parallel import devices
 
     # First: TF reads the placement log setting only when its runtime initialises (and
     # configure_cpu_devices initialises it); set later, the log stays silent.

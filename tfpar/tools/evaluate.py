@@ -21,7 +21,7 @@ import math
 import sys
 from typing import Sequence
 
-from tfpar.config import Config, DataConfig, parse_fractions
+from tfpar.config import Config, DataConfig, DistConfig, parse_fractions
 from tfpar.errors import ConfigError
 from tfpar.tools import cli
 from tfpar.tools.model_dir import (add_cell_flag, add_weights_flag, check_cell_named,
@@ -86,7 +86,7 @@ def evaluate_model_dir(args) -> dict:
     from tfpar.training.state import build_train_state
 
     ckpt = checkpoint_path(args.model_dir, args.weights)
-    plugin = build_strategy(config.dist)
+    plugin = build_strategy(config.dist, config.model)  # placed as training placed it
     batch = args.batch_size or config.train.global_eval_batch_size
     if batch < plugin.num_replicas:
         raise ConfigError(f"--batch-size {batch} is smaller than the {plugin.num_replicas} "
@@ -105,7 +105,7 @@ def evaluate_model_dir(args) -> dict:
 
 def evaluate_saved_model(args) -> dict:
     """Scores every sentence of the split with the SavedModel's ``score`` signature."""
-    if args.strategy != "default" or args.cpu_devices or args.devices:
+    if args.strategy != DistConfig().strategy or args.cpu_devices or args.devices:
         raise ConfigError("--strategy, --devices and --cpu-devices apply to --model-dir only; "
                           "a SavedModel is scored on one device")
     check_weights(args)

@@ -100,6 +100,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     from tfpar.errors import ClusterError
     from tfpar.parallel.cluster.local_job import (PREEMPTED, flag_value, plan_job, run_job,
                                                   train_args_for_cluster, train_command)
+    from tfpar.parallel.cluster.tf_config import JOBS
     from tfpar.tools.cli import run_main
 
     def body():
@@ -108,7 +109,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
                 raise ClusterError(f"--{flag.replace('_', '-')} must be >= 0, "
                                    f"got {getattr(args, flag)}")
         strategy, flags = train_args_for_cluster(train_args)
-        ps = args.ps if args.ps is not None else (1 if strategy == "parameter_server" else 0)
+        # Default: one ps task where the strategy's cluster needs ps tasks.
+        ps = args.ps if args.ps is not None else int("ps" in JOBS[strategy]["required"])
         try:
             ports = [int(p) for p in args.ports.split(",") if p.strip()] or None
         except ValueError:

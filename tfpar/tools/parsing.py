@@ -17,15 +17,20 @@ import sys
 from typing import NoReturn, Sequence
 
 from tfpar import compat
+from tfpar.errors import ConfigError
 
 
 class Parser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose errors are one line (see the module docstring).
-    Abbreviations are off: ``--epoch`` is a mistake to point out, not ``--epochs``."""
+    Abbreviations are off: ``--epoch`` is a mistake to point out, not ``--epochs``.
 
-    def __init__(self, *args, **kwargs):
+    ``raising``: an error raises :class:`~tfpar.errors.ConfigError` with its one line
+    instead of exiting with status 2 (the Python API, ``tfpar.api``)."""
+
+    def __init__(self, *args, raising: bool = False, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.raising = raising
 
     def parse_args(self, args: Sequence[str] | None = None, namespace=None):
         args = list(sys.argv[1:] if args is None else args)
@@ -67,6 +72,8 @@ class Parser(argparse.ArgumentParser):
         return message + (f"; did you mean {close[0]}?" if close else "")
 
     def error(self, message: str) -> NoReturn:
+        if self.raising:  # e.g. "argument --max-steps: invalid int value: 'x'"
+            raise ConfigError(message)
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
     def exit(self, status: int = 0, message: str | None = None) -> NoReturn:

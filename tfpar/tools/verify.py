@@ -13,8 +13,11 @@ devices must give one device's update. ``--softmax sampled`` trains with the sam
 softmax, whose candidates every replica and micro-batch must draw alike (from the seed and
 the step, ``tfpar.objective.sampling``); evaluation stays the full softmax.
 
-Strategies are table-driven: :data:`RUNNERS` maps a name to a :class:`Runner` whose
-function trains N steps and returns a :class:`RunResult`. A new strategy adds one entry.
+Strategies come from the one registry (``tfpar.parallel.registry``): a synchronous
+strategy is run by what its N counts (:func:`runner_for`: one device, N data-parallel
+devices, N pipeline stages, N worker processes), so a new strategy needs nothing here.
+:data:`RUNNERS` holds verify's own variants (``tower_ring``); a :class:`Runner`'s function
+trains N steps and returns a :class:`RunResult`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -45,6 +49,7 @@ from tfpar.model.precision import with_loss_scaling
 from tfpar.objective import step
 from tfpar.objective.output import output_loss
 from tfpar.objective.losses import perplexity, token_count
+from tfpar.parallel import registry
 from tfpar.parallel.registry import build_strategy
 from tfpar.parallel.rows import Context, per_replica, pipeline_rows, replica_batches, with_rows
 from tfpar.parallel.cluster.local_job import plan_job, run_job
@@ -315,7 +320,7 @@ def run_plugin(setup: Setup, dist: DistConfig) -> RunResult:
     """Trains ``setup.spec.steps`` SGD steps with the plug-in ``dist`` names and evaluates
     valid with its own distributed eval step: the code path ``scripts/train.py`` runs."""
     start = time.perf_counter()
-    plugin = build_strategy(dist)
+    plugin = build_strategy(dist, setup.model_config)
     state = build_train_state(plugin.scope(), setup.model_config, setup.vocab_size,
                               seed=setup.spec.seed, initial_weights=setup.initial_weights,
                               make_optimizer=lambda epoch, lr_scale: setup.make_optimizer(),
@@ -343,8 +348,9 @@ def replica_devices(replicas: int) -> tuple[str, ...]:
     return tuple(devices_lib.default_devices(replicas))
 
 
-def run_default(setup: Setup, replicas: int) -> RunResult:
-    return run_plugin(setup, DistConfig(strategy="default"))
+def run_default(setup: Setup, replicas: int, strategy: str = "default") -> RunResult:
+    """A one-device strategy (``default``: TF's default strategy, the reference)."""
+    return run_plugin(setup, DistConfig(strategy=strategy))
 
 
 def on_devices(strategy: str, **options) -> Callable[[Setup, int], RunResult]:
@@ -359,15 +365,16 @@ def on_devices(strategy: str, **options) -> Callable[[Setup, int], RunResult]:
 VERIFY_MICRO_BATCHES = 3
 
 
-def run_pipeline(setup: Setup, replicas: int) -> RunResult:
+def run_pipeline(setup: Setup, replicas: int, strategy: str = "pipeline") -> RunResult:
     """``verify_parallel.py``'s runner: ``pipeline:N`` cuts the model into N stages on N
     devices (:func:`even_stages`), with :data:`VERIFY_MICRO_BATCHES` micro-batches."""
     stages = even_stages(setup.model_config.layers, list(replica_devices(replicas)))
-    return run_plugin(setup, DistConfig(strategy="pipeline", stages=stages,
+    return run_plugin(setup, DistConfig(strategy=strategy, stages=stages,
                                         micro_batches=VERIFY_MICRO_BATCHES))
 
 
-def run_multi_worker(setup: Setup, replicas: int) -> RunResult:
+def run_multi_worker(setup: Setup, replicas: int, strategy: str = "multi_worker"
+                     ) -> RunResult:
     """``verify_parallel.py``'s runner: ``replicas`` worker processes on loopback.
 
     Each worker trains the verify setup (the parent's initial weights and clip norm) with
@@ -375,13 +382,14 @@ def run_multi_worker(setup: Setup, replicas: int) -> RunResult:
     """
     with tempfile.TemporaryDirectory(prefix="tfpar-verify-mw-") as work:
         with open(os.path.join(work, "spec.json"), "w", encoding="utf-8") as f:
-            json.dump({"spec": dataclasses.asdict(setup.spec), "clip_norm": setup.clip_norm}, f)
+            json.dump({"spec": dataclasses.asdict(setup.spec), "clip_norm": setup.clip_norm,
+                       "strategy": strategy}, f)
         np.savez(os.path.join(work, "weights.npz"), *setup.initial_weights)
         code = f"from tfpar.tools.verify import multi_worker_task; multi_worker_task({work!r})"
-        status = run_job(lambda: plan_job("multi_worker", workers=replicas),
+        status = run_job(lambda: plan_job(strategy, workers=replicas),
                          lambda task: [sys.executable, "-c", code], out=sys.stderr)
         if status:
-            raise ClusterError(f"the multi_worker:{replicas} verify job failed (status "
+            raise ClusterError(f"the {strategy}:{replicas} verify job failed (status "
                                f"{status}); its log is above")
         with np.load(os.path.join(work, "result.npz")) as r:
             weights = [r[f"w{i}"] for i in range(len(setup.initial_weights))]
@@ -400,13 +408,14 @@ def multi_worker_task(work: str) -> None:
     # The parent's clip norm: build_setup then skips measuring the gradient norms again.
     fields["clip_norm"] = stored["clip_norm"]
     # The strategy before any TF op (see build_multi_worker); run_plugin gets the same one.
-    plugin = build_strategy(DistConfig(strategy="multi_worker"))
+    dist = DistConfig(strategy=stored["strategy"])
+    plugin = build_strategy(dist)
     setup = build_setup(VerifySpec(**fields))
     with np.load(os.path.join(work, "weights.npz")) as w:
         weights = [w[f"arr_{i}"] for i in range(len(w.files))]
     setup = dataclasses.replace(setup, initial_weights=weights)
     with without_tf32():  # as in the parent (verify)
-        result = run_plugin(setup, DistConfig(strategy="multi_worker"))
+        result = run_plugin(setup, dist)
     if plugin.is_chief:
         np.savez(os.path.join(work, "result.npz"), eval_nll=result.eval_nll,
                  eval_count=result.eval_count, grad_norms=np.array(result.grad_norms),
@@ -415,16 +424,29 @@ def multi_worker_task(work: str) -> None:
                  **{f"s{i}": s for i, s in enumerate(result.slots)})
 
 
-# name -> Runner. The reference is always "default".
+# Verify's own variants of a registered strategy (name -> Runner), and stand-ins tests
+# add; every other name is a registered synchronous strategy (:func:`runner_for`).
 RUNNERS: dict[str, Runner] = {
-    "default": Runner(run_default, default_replicas=1, max_replicas=1),
-    "mirrored": Runner(on_devices("mirrored")),
-    "tower": Runner(on_devices("tower", tower_reduce="controller")),
     "tower_ring": Runner(on_devices("tower", tower_reduce="ring")),
-    "parallel_do": Runner(on_devices("parallel_do")),
-    "multi_worker": Runner(run_multi_worker),  # one worker process per replica
-    "pipeline": Runner(run_pipeline),  # N stages on N devices, 3 micro-batches
 }
+# How a registered strategy runs, by what its N counts (tfpar.parallel.registry).
+BY_SPREAD: dict[str, Callable[[str], Runner]] = {
+    "": lambda name: Runner(functools.partial(run_default, strategy=name),
+                            default_replicas=1, max_replicas=1),
+    "devices": lambda name: Runner(on_devices(name)),
+    "stages": lambda name: Runner(functools.partial(run_pipeline, strategy=name)),
+    # One worker process per replica.
+    "workers": lambda name: Runner(functools.partial(run_multi_worker, strategy=name)),
+}
+
+
+def runners() -> dict[str, Runner]:
+    """Every name ``--strategies`` takes: the registry's synchronous strategies, then
+    :data:`RUNNERS` (which wins on a name both have)."""
+    out = {name: BY_SPREAD[registry.traits(name).over](name) for name in registry.STRATEGIES}
+    return {**out, **RUNNERS}
+
+
 REFERENCE = "default"
 
 
@@ -440,10 +462,10 @@ def parse_strategies(text: str) -> tuple[tuple[str, int], ...]:
         if not item:
             continue
         name, _, count_text = item.partition(":")
-        runner = RUNNERS.get(name)
+        runner = runners().get(name)
         if runner is None:
             raise ConfigError(f"unknown strategy {name!r} in --strategies; expected one of: "
-                              f"{', '.join(RUNNERS)} (optionally NAME:REPLICAS)")
+                              f"{', '.join(runners())} (optionally NAME:REPLICAS)")
         try:
             count = int(count_text) if count_text else runner.default_replicas
         except ValueError:
@@ -555,17 +577,18 @@ def verify_all(spec: VerifySpec) -> tuple[Setup, list[Row]]:
     setup = build_setup(spec)
     log.info("clip-norm %.4g%s", setup.clip_norm,
              " (auto: the median gradient norm of the first --steps batches)" if setup.clip_norm_auto else "")
-    reference = RUNNERS[REFERENCE].run(setup, 1)
+    every = runners()
+    reference = every[REFERENCE].run(setup, 1)
     rows = []
     for name, replicas in spec.strategies:
         # The default row runs again: one device repeats itself exactly.
         log.info("running %s:%d", name, replicas)
-        result = RUNNERS[name].run(setup, replicas)
+        result = every[name].run(setup, replicas)
         against = reference
-        if name == "multi_worker" and spec.mode == "sentence":
+        if registry.traits(name).cluster and spec.mode == "sentence":
             # Each worker's pipeline reads its own share of the lines: one device
             # repeats the run on the global batches those shares make.
-            against = RUNNERS[REFERENCE].run(dataclasses.replace(setup, shares=replicas), 1)
+            against = every[REFERENCE].run(dataclasses.replace(setup, shares=replicas), 1)
         rows.append(compare(spec, setup, name, replicas, result, against))
     return setup, rows
 
@@ -599,7 +622,7 @@ def parser(prog: str = "tfpar-verify") -> argparse.ArgumentParser:
         ),
     )
     p.add_argument("--strategies", default="default,mirrored:2,tower:2",
-                   help="comma-separated NAME[:REPLICAS]; names: " + ", ".join(RUNNERS) +
+                   help="comma-separated NAME[:REPLICAS]; names: " + ", ".join(runners()) +
                         " (tower_ring: --tower-reduce ring) (default: %(default)s)")
     p.add_argument("--steps", type=int, default=10, help="SGD steps (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=10,

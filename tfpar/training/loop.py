@@ -212,7 +212,7 @@ class Loop:
         """--steps-per-execution, cut so that a call ends on every --checkpoint-every
         multiple and at --max-steps: what is saved there is that step's state."""
         cfg, step = self.config, self.step
-        n = cfg.train.steps_per_execution or 1
+        n = cfg.train.steps_per_execution
         if cfg.run.checkpoint_every:
             n = min(n, cfg.run.checkpoint_every - step % cfg.run.checkpoint_every)
         if cfg.train.max_steps:

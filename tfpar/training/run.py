@@ -42,8 +42,7 @@ from tfpar.data.vocab import Vocab, train_counts
 from tfpar.errors import ConfigError
 from tfpar.model import cells
 from tfpar.objective.losses import perplexity
-from tfpar.parallel.registry import ASYNCHRONOUS, build_strategy
-from tfpar.parallel import parameter_server
+from tfpar.parallel import registry
 from tfpar.parallel.cluster import tf_config
 from tfpar.serving import export
 from tfpar.training import checkpoints, hparams, sidecar, summaries
@@ -164,7 +163,7 @@ def steps_per_execution(config: Config, plugin) -> Config:
     host-CPU embedding stage included), else 1."""
     if config.train.steps_per_execution is not None:
         return config
-    gpus = (config.dist.strategy not in ASYNCHRONOUS and plugin.devices and
+    gpus = (not registry.is_asynchronous(config.dist.strategy) and plugin.devices and
             any(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in plugin.devices))
     n = GPU_STEPS_PER_EXECUTION if gpus else 1
     if gpus:
@@ -173,34 +172,25 @@ def steps_per_execution(config: Config, plugin) -> Config:
                                                                  steps_per_execution=n))
 
 
-def build_plugin(config: Config):
-    """The synchronous plug-in, or the coordinator of asynchronous training."""
-    if config.dist.strategy in ASYNCHRONOUS:
-        return ASYNCHRONOUS[config.dist.strategy].build(config.dist)
-    return build_strategy(config.dist)
-
-
 def train_and_evaluate(config: Config) -> dict[str, Any]:
     """Trains, evaluates and exports as ``config`` says; returns the final metrics."""
     if config.train.deterministic:
         tf.config.experimental.enable_op_determinism()
     if tf_config.is_evaluator(config.dist.strategy, source=config.dist.cluster):  # a side-car: it only evaluates
         return sidecar.run_sidecar(config)
-    if config.dist.strategy == "parameter_server":
-        task = parameter_server.server_task(config.dist)
-        if task is not None:  # a worker or ps task: it only serves
-            log.info("strategy %s", task.describe())
-            task.serve()
-            return {}
+    task = registry.server_task(config.dist)
+    if task is not None:  # e.g. a parameter-server cluster's worker or ps task
+        log.info("strategy %s", task.describe())
+        task.serve()
+        return {}
     for flag, path in (("--model-dir", config.run.model_dir),
                        ("--export-dir", config.run.export_dir if config.run.export else ""),
                        ("--metrics-json", config.run.metrics_json)):
         files.check_file_system(path, flag)  # before a step is trained
     config, init = init_source(config)
-    plugin = build_plugin(config)
+    plugin = registry.build_for(config)  # settings checked, placement decided: once
     log.info("strategy %s", plugin.describe())
-    config = steps_per_execution(config, plugin)
-    plugin.check_config(config)
+    config = steps_per_execution(config, plugin)  # resolved: an int from here on
     if config.model.custom_cell:  # a cell that cannot work fails before anything is written
         cells.probe(config.model.cell, config.model.hidden_dim, config.model.embed_dim)
     check_batch_sizes(config, plugin.num_replicas)
@@ -223,7 +213,7 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
     ``lengths`` is the vocabulary pass's length histogram (None without one); ``timings``
     (seconds reading the corpus and making the vocabulary) go to the metrics; ``init``:
     the checkpoint whose model weights a fresh run starts from (:func:`init_source`)."""
-    asynchronous = config.dist.strategy in ASYNCHRONOUS
+    asynchronous = registry.is_asynchronous(config.dist.strategy)
     data = InputData(corpus.splits, vocab, config.data, seed=config.train.seed,
                      lengths=lengths)
     log.info("corpus %s: %s (train/valid/test); vocabulary %d", corpus.name,
@@ -265,9 +255,8 @@ def _train(config: Config, plugin, model_dir: str, *, corpus: LoadedCorpus,
             lambda: state.step + 1, config.run.profile_steps)
         loop_class = Loop
     # multi_worker: a stop signal on any worker stops every worker after the same step.
-    together = plugin.num_workers > 1 and not asynchronous
     loop = loop_class(config, plugin, data, state, ckpt, writer, train, eval_step,
-                      cluster_resolver=plugin.strategy.cluster_resolver if together else None)
+                      cluster_resolver=plugin.cluster_resolver)
     progress = loop.run()
 
     last_step = state.step

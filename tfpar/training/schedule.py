@@ -8,6 +8,7 @@ import tensorflow as tf
 from tfpar import compat
 from tfpar.config import DEFAULT_EMA_MOMENTUM, Config, TrainConfig
 from tfpar.model.precision import with_loss_scaling
+from tfpar.parallel import registry
 
 
 class EpochSchedule(keras.optimizers.schedules.LearningRateSchedule):
@@ -66,11 +67,12 @@ def base_learning_rate(train: TrainConfig, num_replicas: int) -> float:
 
 
 def ema_momentum(config: Config) -> float:
-    """The run's ``--ema-momentum``: as given, else the default (off under
-    parameter_server, whose per-variable updates bypass the optimizer's averaging)."""
+    """The run's ``--ema-momentum``: as given, else the default (off under asynchronous
+    training, parameter_server, whose per-variable updates bypass the optimizer's
+    averaging)."""
     if config.train.ema_momentum is not None:
         return config.train.ema_momentum
-    return 0.0 if config.dist.strategy == "parameter_server" else DEFAULT_EMA_MOMENTUM
+    return 0.0 if registry.is_asynchronous(config.dist.strategy) else DEFAULT_EMA_MOMENTUM
 
 
 def optimizer_factory(train: TrainConfig, num_replicas: int, precision: str = "fp32",

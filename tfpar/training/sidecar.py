@@ -66,7 +66,8 @@ class Evaluator:
 
     def __init__(self, config: Config):
         self.config = config
-        self.plugin = build_strategy(DistConfig())  # one process, its default device
+        # One process, its default device.
+        self.plugin = build_strategy(DistConfig(), config.model)
         vocab = Vocab.load(os.path.join(config.run.model_dir, VOCAB_FILE),
                            tokenizer=config.data.tokenizer)
         corpus = load_corpus(config.data, seed=config.train.seed)

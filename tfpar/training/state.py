@@ -140,8 +140,9 @@ class TrainState:
 
 
 def named_weights(model) -> dict[str, tf.Variable]:
-    """``{"rnn_0:lstm_cell:kernel": variable, ...}`` for every model weight (the dropout
-    RNG states are saved apart, under ``rng``)."""
+    """``{"rnn_0:lstm_cell:kernel": variable, ...}`` for every model weight (there is no
+    dropout RNG state to save: the masks are a function of the step,
+    ``tfpar.model.noise``)."""
     prefix = model.name + "/"
     return {v.path.removeprefix(prefix).replace("/", ":"): v for v in model.weights
             if v.path.startswith(prefix)}

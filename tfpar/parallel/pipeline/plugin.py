@@ -59,7 +59,7 @@ import tensorflow as tf
 
 from tfpar import compat
 from tfpar.objective import step
-from tfpar.config import DistConfig
+from tfpar.config import DistConfig, ModelConfig
 from tfpar.model.lm import EMBEDDING, SOFTMAX, rnn_name
 from tfpar.parallel import devices as devices_lib
 from tfpar.parallel.base import Parts, StrategyPlugin, parts_of
@@ -113,18 +113,6 @@ class PipelinePlugin(StrategyPlugin):
         if self._stages is None:
             raise RuntimeError("the pipeline has no model yet: make a step first")
         return self._stages
-
-    def check_config(self, config) -> None:
-        """Also where the placement learns whether the embedding is tied (before any
-        variable exists): the default rule then keeps it with the softmax."""
-        self.placement.tied = config.model.tie_embeddings
-        spec = self.placement.spec
-        if config.model.tie_embeddings and spec is not None and \
-                self.placement.device_of(EMBEDDING) != self.placement.device_of(SOFTMAX):
-            log.warning("--stages puts the tied embedding (%s) and the softmax (%s) on "
-                        "different devices: the softmax reads the table across devices "
-                        "every micro-batch", self.placement.device_of(EMBEDDING),
-                        self.placement.device_of(SOFTMAX))
 
     def describe(self) -> str:
         return (f"pipeline: {self.placement.describe()}; {self.micro_batches} "
@@ -383,11 +371,22 @@ def _owners(model, stage_vars: list[list]) -> dict[int, int]:
     return owner
 
 
-def build_pipeline(dist: DistConfig) -> PipelinePlugin:
-    """Stages from ``--stages`` (or the default rule), ``--micro-batches`` per batch.
+def build_pipeline(dist: DistConfig, model: ModelConfig | None = None) -> PipelinePlugin:
+    """Stages from ``--stages`` (or the default rule), ``--micro-batches`` per batch, for
+    ``model`` (None: untied): the placement is decided here, before any variable exists
+    or anything is logged, and never changes (the default rule keeps a tied embedding
+    with the softmax).
 
     Raises:
       ConfigError: a malformed ``--stages`` or one combined with ``--devices``.
       DeviceError: a stage device that does not exist on this host.
     """
-    return PipelinePlugin(placement_from_config(dist), dist.micro_batches)
+    tied = model is not None and model.tie_embeddings
+    placement = placement_from_config(dist, tied=tied)
+    if tied and placement.spec is not None and \
+            placement.device_of(EMBEDDING) != placement.device_of(SOFTMAX):
+        log.warning("--stages puts the tied embedding (%s) and the softmax (%s) on "
+                    "different devices: the softmax reads the table across devices "
+                    "every micro-batch", placement.device_of(EMBEDDING),
+                    placement.device_of(SOFTMAX))
+    return PipelinePlugin(placement, dist.micro_batches)

@@ -151,8 +151,10 @@ class Placement:
         return f"{host}default split over {', '.join(self.compute)}"
 
 
-def placement_from_config(dist: DistConfig) -> Placement:
-    """``--stages``, or the default rule over ``--devices``, the GPUs or logical CPUs.
+def placement_from_config(dist: DistConfig, *, tied: bool = False) -> Placement:
+    """``--stages``, or the default rule over ``--devices``, the GPUs or logical CPUs;
+    ``tied``: the model's embedding is its softmax's matrix too (the default rule keeps
+    it with the softmax).
 
     Raises:
       ConfigError: a bad ``--stages`` (see :func:`parse_stages`), or both ``--stages``
@@ -168,7 +170,7 @@ def placement_from_config(dist: DistConfig) -> Placement:
         named = {devices_lib.canonical(d).lower(): d for d in spec.values()}
         resolved = dict(zip(named, devices_lib.resolve_devices(tuple(named.values()))))
         return Placement({part: resolved[devices_lib.canonical(d).lower()]
-                          for part, d in spec.items()})
+                          for part, d in spec.items()}, tied=tied)
     if dist.devices:
         compute = devices_lib.resolve_devices(dist.devices)
     elif devices_lib.num_gpus():
@@ -176,7 +178,7 @@ def placement_from_config(dist: DistConfig) -> Placement:
     else:
         compute = devices_lib.default_devices(dist.cpu_devices or 2)
     host = "/device:CPU:0" if all("GPU" in d.upper() for d in compute) else ""
-    return Placement(compute=compute, host=host)
+    return Placement(compute=compute, host=host, tied=tied)
 
 
 def even_stages(layers: int, devices: list[str]) -> str:

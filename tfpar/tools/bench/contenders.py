@@ -193,9 +193,10 @@ def build_tfpar(setup: Setup, name: str, dist, *, precision: str | None = None,
     from tfpar.training.state import build_train_state
 
     spec = setup.spec
-    plugin = build_strategy(dist)
     model_spec = dataclasses.replace(spec, **PROBE_MODEL) if probe else spec
-    state = build_train_state(plugin.scope(), model_config(model_spec, precision, fused=fused),
+    model = model_config(model_spec, precision, fused=fused)
+    plugin = build_strategy(dist, model)  # placed for this model, as training places it
+    state = build_train_state(plugin.scope(), model,
                               len(setup.vocab),
                               seed=spec.seed,
                               make_optimizer=lambda epoch, lr_scale: _optimizer(spec.optimizer))

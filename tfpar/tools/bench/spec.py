@@ -56,7 +56,7 @@ class BenchSpec:
     # "fp32" or "bf16" (tfpar contenders only; the Keras baseline stays fp32).
     precision: str = "fp32"
     # Optimizer of every contender, tfpar and Keras alike: "sgd" (as in ptb_word_lm.py's
-    # small configuration) or "adam" (tfpar's default).
+    # small configuration, and tfpar's default) or "adam".
     optimizer: str = "sgd"
     # Interleaved rounds; in each, every contender trains `steps` timed steps.
     rounds: int = 5
