@@ -18,6 +18,7 @@ plug-in: they rebuild the model outside any strategy (``tfpar.serving.export``).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import TYPE_CHECKING, Any, Callable
 
 from tfpar.config import Config, DistConfig, ModelConfig
@@ -64,54 +65,27 @@ class Strategy:
 
 # The builders import their plug-in's module when called: the registry itself imports no
 # TensorFlow, so the flags' help and the tools read it before TensorFlow starts.
-def _default(dist, model):
-    from tfpar.parallel import distribute
-    return distribute.build_default(dist, model)
+def _lazy(module: str, function: str) -> Callable:
+    """``module.function``, imported at its first call."""
+    def call(*args):
+        return getattr(importlib.import_module(module), function)(*args)
+
+    call.__name__ = call.__qualname__ = function
+    return call
 
 
-def _one_device(dist, model):
-    from tfpar.parallel import distribute
-    return distribute.build_one_device(dist, model)
-
-
-def _mirrored(dist, model):
-    from tfpar.parallel import distribute
-    return distribute.build_mirrored(dist, model)
-
-
-def _tower(dist, model):
-    from tfpar.parallel import tower
-    return tower.build_tower(dist, model)
-
-
-def _pipeline(dist, model):
-    from tfpar.parallel.pipeline import plugin
-    return plugin.build_pipeline(dist, model)
-
-
-def _multi_worker(dist, model):
-    from tfpar.parallel import multi_worker
-    return multi_worker.build_multi_worker(dist, model)
-
-
-def _parallel_do(dist, model):
-    from tfpar.parallel import parallel_do
-    return parallel_do.build_parallel_do(dist, model)
-
-
-def _coordinator(dist, model):
-    from tfpar.parallel import parameter_server
-    return parameter_server.build_coordinator(dist, model)
-
-
-def _parameter_server_task(dist):
-    from tfpar.parallel import parameter_server
-    return parameter_server.server_task(dist)
-
-
-def _parameter_server_check(config):
-    from tfpar.parallel import parameter_server
-    parameter_server.check_config(config)
+_DISTRIBUTE = "tfpar.parallel.distribute"
+_PS = "tfpar.parallel.parameter_server"
+_default = _lazy(_DISTRIBUTE, "build_default")
+_one_device = _lazy(_DISTRIBUTE, "build_one_device")
+_mirrored = _lazy(_DISTRIBUTE, "build_mirrored")
+_tower = _lazy("tfpar.parallel.tower", "build_tower")
+_pipeline = _lazy("tfpar.parallel.pipeline.plugin", "build_pipeline")
+_multi_worker = _lazy("tfpar.parallel.multi_worker", "build_multi_worker")
+_parallel_do = _lazy("tfpar.parallel.parallel_do", "build_parallel_do")
+_coordinator = _lazy(_PS, "build_coordinator")
+_parameter_server_task = _lazy(_PS, "server_task")
+_parameter_server_check = _lazy(_PS, "check_config")
 
 
 # name -> Strategy. A new synchronous strategy: its module, and one line here.
