@@ -266,7 +266,8 @@ def stream_setup(tmp_path):
     vocab = Vocab.build(lines)
     config = small_config(data=DataConfig(mode="stream", bptt=4),
                     model=MODEL,
-                    train=train_config(batch_size=4, on_nan="skip", epochs=1, clip_norm=CLIP),
+                    train=train_config(batch_size=4, on_nan="skip", epochs=1, clip_norm=CLIP,
+                                       steps_per_execution=1),
                     run=RunConfig(model_dir=str(tmp_path), progress=False))
     data = InputData({"train": lines, "valid": lines[:4], "test": lines[:4]}, vocab,
                      config.data, seed=0)

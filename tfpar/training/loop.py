@@ -87,6 +87,9 @@ class Loop:
     def __init__(self, config, plugin, data, state, checkpointer, writer, train,
                  eval_step, *, cluster_resolver=None):
         self.config, self.plugin, self.data, self.state = config, plugin, data, state
+        if config.train.steps_per_execution is None:
+            raise ValueError("Loop takes a config whose --steps-per-execution is resolved "
+                             "(tfpar.training.run.steps_per_execution), not None")
         self.checkpointer, self.writer = checkpointer, writer
         # Loop: steps(iterator, state, n) -> CallOutput, up to n steps per call
         # (make_train_steps); AsyncLoop: the plug-in's schedule(iterators) -> future.
