@@ -119,8 +119,13 @@ class DistributePlugin(StrategyPlugin):
         if state is None or self.num_replicas == 1:
             return state
         replicas = self.num_replicas
-        return self.strategy.experimental_distribute_values_from_function(
+        values = self.strategy.experimental_distribute_values_from_function(
             lambda ctx: rows.state_share(state, replicas, ctx.replica_id_in_sync_group))
+        # One replica in this process (a worker of multi_worker): its rows as plain
+        # tensors, the form strategy.run returns the state in, so the training call's
+        # loop carries one form from its first window on.
+        local = self.strategy.experimental_local_results(values)
+        return local[0] if len(local) == 1 else values
 
 
 def all_reduce_name(ops: tf.distribute.CrossDeviceOps, replicas: int) -> str:

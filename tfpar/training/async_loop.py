@@ -58,6 +58,7 @@ class AsyncLoop(Loop):
                 # At most the updates still missing; a skipped (non-finite) step is not
                 # one, so after a sync point with skips the epoch goes on, as in Loop.
                 scheduled = min(scheduled, max_steps - self.step)
+            self.start_clock()
             futures = [self.train(iterators) for _ in range(scheduled)]
             coordinator.join()
             outputs = [coordinator.fetch(f) for f in futures]  # StepOutputs, as Loop's

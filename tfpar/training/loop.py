@@ -110,7 +110,10 @@ class Loop:
                              run_again(config.run.model_dir, checkpointer.directory),
                              cluster_resolver=cluster_resolver, job_chief=self.job_chief)
         self.epoch_began = (time.perf_counter(), Progress())  # for the epoch's log line
-        self.started, self.timed_out = time.monotonic(), False  # for --time-limit
+        # --time-limit: its clock starts with the run's first training call, so a run
+        # makes at least one call however short the limit.
+        self.started: float | None = None
+        self.timed_out = False
         # --early-stop: set (and logged) at an epoch end, or here when a resumed run's
         # checkpoint had reached the patience already; read by done() at every step.
         self.stopped_early = False
@@ -125,6 +128,11 @@ class Loop:
     def step(self) -> int:
         return self.state.step
 
+    def start_clock(self) -> None:
+        """Before each training call: --time-limit counts from the run's first."""
+        if self.started is None:
+            self.started = time.monotonic()
+
     def done(self) -> bool:
         """--max-steps reached, --time-limit minutes of training spent, or --early-stop
         epochs ended in a row without a better valid perplexity."""
@@ -134,7 +142,8 @@ class Loop:
         if self.stopped_early:
             return True
         limit = self.config.train.time_limit
-        if limit and time.monotonic() - self.started >= 60.0 * limit:
+        if limit and self.started is not None and \
+                time.monotonic() - self.started >= 60.0 * limit:
             if not self.timed_out:
                 log.info("--time-limit %g min reached after step %d: stopping training",
                          limit, self.step)
@@ -196,6 +205,7 @@ class Loop:
         carry.resume(skip)
         while not self.done():
             start = time.perf_counter()
+            self.start_clock()
             call = self.train(iterator, carry.current, self.steps_in_next_call())
             if not call.outputs:
                 return
