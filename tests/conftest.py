@@ -327,6 +327,30 @@ def snapshot(state) -> list[np.ndarray]:
     return [np.array(v.numpy()) for v in state.variables()]
 
 
+def hand_built_loop(config, plugin, data, state, folder, *, clip_norm, poison=None):
+    """A ``Loop`` on ``state`` as ``run.py`` builds one (the one training call, the eval
+    step, a checkpointer and a silent writer in ``folder``); ``poison``: a word of
+    ``data``'s vocabulary whose embedding row is set to NaN first (every window reading
+    it is non-finite)."""
+    from tfpar.objective.step import make_eval_step
+    from tfpar.training import summaries
+    from tfpar.training.checkpoints import Checkpointer
+    from tfpar.training.loop import Loop
+    from tfpar.training.runner import make_train_steps
+    from tfpar.training.state import named_weights
+
+    if poison is not None:
+        emb = named_weights(state.model)["embedding:embeddings"]
+        value = emb.numpy()
+        value[data.vocab.tokens.index(poison)] = np.nan
+        emb.assign(value)
+    return Loop(config, plugin, data, state,
+                Checkpointer(str(folder), True, 1, **state.trackables()),
+                summaries.Writer(str(folder), is_chief=False),
+                make_train_steps(plugin, state.model, state.optimizer, clip_norm=clip_norm),
+                make_eval_step(plugin, state.model))
+
+
 # ---------------------------------------------------------------- coverage floor
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):

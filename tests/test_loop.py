@@ -13,18 +13,14 @@ import keras
 import numpy as np
 import pytest
 
-from conftest import model_config, small_config, train_config
+from conftest import hand_built_loop, model_config, small_config, train_config
 from tfpar.config import DataConfig, DistConfig, RunConfig
 from tfpar.data.pipeline import InputData
 from tfpar.data.vocab import Vocab
-from tfpar.objective.step import make_eval_step, make_train_step
+from tfpar.objective.step import make_train_step
 from tfpar.parallel.registry import build_strategy
 from tfpar.parallel.rows import replica_batches
-from tfpar.training import summaries
-from tfpar.training.checkpoints import Checkpointer
-from tfpar.training.loop import Loop
-from tfpar.training.runner import make_train_steps
-from tfpar.training.state import build_train_state, named_weights
+from tfpar.training.state import build_train_state
 
 MODEL = model_config(embed_dim=8, hidden_dim=8)
 ROWS = 4
@@ -60,16 +56,8 @@ def build(tmp_path, mode: str, poisoned: bool, spe: int = 1):
     state = build_train_state(plugin.scope(), MODEL, len(vocab), seed=0, make_optimizer=adam,
                               fixed_shapes=mode == "stream",
                               carry_rows=ROWS if mode == "stream" else 0)
-    if poisoned:
-        emb = named_weights(state.model)["embedding:embeddings"]
-        value = emb.numpy()
-        value[vocab.tokens.index("zz")] = np.nan
-        emb.assign(value)
-    loop = Loop(config, plugin, data, state,
-                Checkpointer(str(tmp_path), True, 1, **state.trackables()),
-                summaries.Writer(str(tmp_path), is_chief=False),
-                make_train_steps(plugin, state.model, state.optimizer, clip_norm=5.0),
-                make_eval_step(plugin, state.model))
+    loop = hand_built_loop(config, plugin, data, state, tmp_path, clip_norm=5.0,
+                           poison="zz" if poisoned else None)
     return loop, plugin, state, data
 
 

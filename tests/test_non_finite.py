@@ -33,7 +33,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import PINNED, REPO, batch_of, model_config, small_config, snapshot, train_config
+from conftest import (PINNED, REPO, batch_of, hand_built_loop, model_config, small_config,
+                      snapshot, train_config)
 from tfpar.config import DataConfig, DistConfig, RunConfig
 from tfpar.data.pipeline import InputData
 from tfpar.parallel.rows import per_replica
@@ -44,12 +45,9 @@ from tfpar.parallel.registry import build_strategy
 from tfpar.parallel import parameter_server as ps
 from tfpar.serving import sample
 from tfpar.tools.cli import train_main
-from tfpar.training import summaries
-from tfpar.training.checkpoints import Checkpointer
-from tfpar.training.loop import Loop, count_batches
-from tfpar.training.runner import make_train_steps
+from tfpar.training.loop import count_batches
 from tfpar.training.state import build_train_state, named_weights
-from tfpar.objective.step import make_eval_step, make_train_step
+from tfpar.objective.step import make_train_step
 
 MODEL = model_config(embed_dim=8, hidden_dim=8)
 VOCAB = 20
@@ -274,15 +272,8 @@ def stream_setup(tmp_path):
     plugin = build_strategy(DistConfig())
     state = build_train_state(plugin.scope(), MODEL, len(vocab), seed=0, make_optimizer=adam,
                               fixed_shapes=True, carry_rows=4)
-    emb = named_weights(state.model)["embedding:embeddings"]
-    value = emb.numpy()
-    value[vocab.tokens.index("zz")] = np.nan
-    emb.assign(value)
-    loop = Loop(config, plugin, data, state,
-                Checkpointer(str(tmp_path), True, 1, **state.trackables()),
-                summaries.Writer(str(tmp_path), is_chief=False),
-                make_train_steps(plugin, state.model, state.optimizer, clip_norm=CLIP),
-                make_eval_step(plugin, state.model))
+    loop = hand_built_loop(config, plugin, data, state, tmp_path, clip_norm=CLIP,
+                           poison="zz")
     windows = count_batches(data.batches("train", training=True, batch_size=4))
     return loop, state, windows
 
