@@ -368,7 +368,9 @@ def test_sigterm_to_the_parameter_server_chief_stops_the_job_and_the_restart_res
                          r"and the checkpoint of that step is saved", log)
     assert len(stopped) == 1, log[-4000:]
     step = int(stopped[0])
-    assert every < step < max_steps
+    # The signal may land between the save of step 20 and that same sync point's stop
+    # check (CI saw it once): the stop is then at 20, whose checkpoint is the one saved.
+    assert every <= step < max_steps
     assert "[launch] chief 0 stopped for a preemption (status 75), its checkpoint saved\n" \
         in log
     for task in ("worker 0", "ps 0"):
