@@ -17,9 +17,10 @@ from conftest import hand_built_loop, model_config, small_config, train_config
 from tfpar.config import DataConfig, DistConfig, RunConfig
 from tfpar.data.pipeline import InputData
 from tfpar.data.vocab import Vocab
-from tfpar.objective.step import make_train_step
+from tfpar.objective.step import make_eval_step, make_train_step
 from tfpar.parallel.registry import build_strategy
 from tfpar.parallel.rows import replica_batches
+from tfpar.training.loop import evaluate
 from tfpar.training.state import build_train_state
 
 MODEL = model_config(embed_dim=8, hidden_dim=8)
@@ -118,3 +119,27 @@ def test_stream_mode_without_carry_variables_is_refused():
         StreamCarry(None, types.SimpleNamespace(carried=lambda: None), stream=True)
     assert StreamCarry(None, types.SimpleNamespace(carried=lambda: None),
                        stream=False).current is None
+
+
+def test_a_stream_evaluation_scores_the_windows_from_zeros_in_two_graphs(tmp_path):
+    """Evaluation's first window starts from explicit zeros: the score of the windows
+    carried the plain way (the first from no state at all), with one graph for the full
+    windows, the first included, and one for the shorter last (three before, the first
+    window traced apart)."""
+    _, plugin, state, data = build(tmp_path, "stream", False)
+    text = lines(False)[:9]  # columns of 15 tokens: windows of 4, 4, 4 and 2
+    data = InputData({"train": text, "valid": text, "test": text}, data.vocab, data.config,
+                     seed=0)
+    step = make_eval_step(plugin, state.model)
+    nll, count = evaluate(plugin, step, data, "valid", ROWS)
+    assert step.function.experimental_get_tracing_count() == 2
+
+    plain = make_eval_step(plugin, state.model)
+    carried, want = None, []
+    for batch in plugin.distribute(lambda ctx: replica_batches(
+            data, "valid", training=False, input_context=ctx, batch_size=ROWS)):
+        out = plain(batch, carried)
+        carried = out.state
+        want.append((float(out.nll_sum), float(out.count)))
+    assert len(want) == 4
+    assert (nll, count) == (sum(w[0] for w in want), sum(w[1] for w in want))

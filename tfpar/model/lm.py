@@ -147,6 +147,12 @@ class RNNLanguageModel(keras.Model):
         ``len(state_widths)``."""
         return len(self.state_widths)
 
+    def zero_state(self, rows: int):
+        """The state ``initial_state=None`` stands for, as tensors: one list per layer of
+        ``state_size`` float32 [rows, width] zeros."""
+        return [[tf.zeros([rows, width]) for width in self.state_widths]
+                for _ in self.rnns]
+
     def embed(self, inputs, training=False, rows=None):
         """[B, T] ids → ([B, T, E] vectors, [B, T] bool mask).
 

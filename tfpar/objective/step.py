@@ -460,7 +460,9 @@ def make_train_step(plugin, model, optimizer, *, clip_norm: float, loss=None):
 
 def make_eval_step(plugin, model, loss=None):
     """``step(batch, state=None) -> StepOutput`` without gradients (``grad_norm`` None);
-    ``loss`` as for :func:`make_train_step` (evaluation scores the full softmax)."""
+    ``loss`` as for :func:`make_train_step` (evaluation scores the full softmax).
+    ``step.zero_state(rows)``: the zero state of a ``rows``-row global batch in the
+    plug-in's form, where stream-mode evaluation starts."""
     plugin.bind(model)
     loss = loss or output_loss(model.config)
 
@@ -469,4 +471,8 @@ def make_eval_step(plugin, model, loss=None):
         nll_sum, count, final = evaluate(plugin, model, loss, batch, state)
         return dict(nll_sum=nll_sum, count=count, state=final)
 
-    return as_step_output(eval_step, any_shape=not model.fixed_shapes)
+    step_fn = as_step_output(eval_step, any_shape=not model.fixed_shapes)
+    # Stream mode's first window starts from these zeros, not from None: one structure
+    # for every window, so the first is not traced apart from the rest.
+    step_fn.zero_state = lambda rows: plugin.local_state(model.zero_state(rows))
+    return step_fn

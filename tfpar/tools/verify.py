@@ -58,8 +58,8 @@ from tfpar.parallel import devices as devices_lib
 from tfpar.tools.cli import run_main, setup_logging
 from tfpar.training.loop import evaluate
 from tfpar.training.state import build_train_state
-from tfpar.objective.step import make_eval_step, make_train_step
-from tfpar.training.runner import run_steps
+from tfpar.objective.step import make_eval_step
+from tfpar.training.runner import make_train_steps
 from tfpar.tools.parsing import Parser
 
 log = logging.getLogger(__name__)
@@ -325,14 +325,20 @@ def run_plugin(setup: Setup, dist: DistConfig) -> RunResult:
                               seed=setup.spec.seed, initial_weights=setup.initial_weights,
                               make_optimizer=lambda epoch, lr_scale: setup.make_optimizer(),
                               fixed_shapes=setup.spec.mode == "stream")
-    train_step = make_train_step(plugin, state.model, state.optimizer,
-                                        clip_norm=setup.clip_norm)
+    # Training's own call (tfpar.training.runner), as many steps as are left per call;
+    # a stream epoch starts from the zero state, so one trace serves every call.
+    train_steps = make_train_steps(plugin, state.model, state.optimizer,
+                                   clip_norm=setup.clip_norm)
+    zeros = (plugin.local_state(state.model.zero_state(setup.spec.batch_size))
+             if setup.spec.mode == "stream" else None)
     norms: list[float] = []
     for epoch in itertools.count():
-        for out in run_steps(train_step, setup.train_batches(plugin, epoch),
-                             stream=setup.spec.mode == "stream"):
-            norms.append(float(out.grad_norm))
-            if len(norms) == setup.spec.steps:
+        iterator, carried = iter(setup.train_batches(plugin, epoch)), zeros
+        while len(norms) < setup.spec.steps:
+            call = train_steps(iterator, carried, setup.spec.steps - len(norms))
+            norms += [float(out.grad_norm) for out in call.outputs]
+            carried = call.state
+            if call.exhausted:
                 break
         if len(norms) == setup.spec.steps:
             break

@@ -59,8 +59,11 @@ def evaluate(plugin, eval_step, data, split: str, batch_size: int) -> tuple[floa
         lambda ctx: replica_batches(data, split, training=False, input_context=ctx,
                                     batch_size=batch_size)
     )
+    stream = data.config.mode == "stream"
+    # Every stream window has ``batch_size`` rows; the first starts from zeros.
+    zeros = eval_step.zero_state(batch_size) if stream else None
     nll = count = 0.0
-    for out in run_steps(eval_step, batches, stream=data.config.mode == "stream"):
+    for out in run_steps(eval_step, batches, stream=stream, initial_state=zeros):
         nll += float(out.nll_sum)
         count += float(out.count)
     return nll, count
