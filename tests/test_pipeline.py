@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import (
-    PINNED, REPO, batch_of, make_lines, max_diff, model_config, slots_of, small_config)
+    PINNED, REPO, batch_of, make_lines, max_diff, model_config, slots_of)
 from equivalence import assert_equivalent, make_setup, run_with_state
 from tfpar.tools import cli
 from tfpar.config import DataConfig, DistConfig
@@ -441,11 +441,13 @@ def test_cpu_devices_needed_counts_the_stage_devices():
 
 # ----------------------------------------------------------------- end to end
 @pytest.mark.parametrize("extra", [
-    [],
     ["--mode", "stream", "--bptt", "8", "--stages",
      "embedding=/cpu:0,rnn=/cpu:1,softmax=/cpu:2"],
 ])
 def test_train_main_pipeline_trains_evaluates_and_exports(tiny_args, tmp_path, extra):
+    """The whole command under pipeline (stream mode, three stages): its metrics and
+    export. (Sentence mode under the pipeline: test_pipeline_matches_default_with_clipping;
+    the default two stages: test_default_stages_split_the_model_over_two_cpus.)"""
     assert cli.train_main(tiny_args + ["--strategy", "pipeline", "--micro-batches", "4"]
                           + extra) == 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())

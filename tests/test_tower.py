@@ -337,9 +337,11 @@ def test_linear_scaling_multiplies_by_towers_and_warmup_ramps():
 
 
 # ----------------------------------------------------------------- end to end
-@pytest.mark.parametrize("extra", [[], ["--mode", "stream", "--bptt", "8",
-                                        "--tower-reduce", "ring"]])
+@pytest.mark.parametrize("extra", [["--mode", "stream", "--bptt", "8",
+                                    "--tower-reduce", "ring"]])
 def test_train_main_tower_trains_and_exports(tiny_args, tmp_path, extra):
+    """The whole command under tower:3 (stream mode, the ring): its metrics and export.
+    (Sentence mode under tower: the equivalence tests above.)"""
     assert cli.train_main(tiny_args + ["--strategy", "tower", "--cpu-devices", "3"] + extra) == 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["strategy"] == "tower" and metrics["replicas"] == 3
