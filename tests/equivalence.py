@@ -60,36 +60,45 @@ def make_setup(data, model_config, mode: str, *, batch_size: int, lr: float = 0.
 
 @dataclasses.dataclass
 class Recorder:
-    """What :func:`recording` saw: the plug-ins verify built and every step's output."""
+    """What :func:`recording` saw: the plug-ins verify built, every step's output and
+    the state the last training call carried out."""
 
     plugins: list = dataclasses.field(default_factory=list)
     outputs: list = dataclasses.field(default_factory=list)
+    last_state: object = None
 
     def final_state(self) -> list[np.ndarray]:
         """The state the last step carried out, in global form."""
-        state = self.plugins[-1].global_state(self.outputs[-1].state)
+        state = self.plugins[-1].global_state(self.last_state)
         return [np.asarray(s) for s in tf.nest.flatten(state)]
 
 
 @contextlib.contextmanager
 def recording():
-    """Runs verify's runners as they are, recording the plug-in each one builds and the
-    output of each step it takes (``run_plugin`` discards the carried state)."""
+    """Runs verify's runners as they are, recording the plug-in each one builds, the
+    output of each step it takes and the state its training calls carry out
+    (``run_plugin`` discards it)."""
     rec = Recorder()
-    real_build, real_run_steps = verify.build_strategy, verify.run_steps
+    real_build, real_make = verify.build_strategy, verify.make_train_steps
 
     def build_strategy(dist, model=None):
         rec.plugins.append(real_build(dist, model))
         return rec.plugins[-1]
 
-    def run_steps(*args, **kwargs):
-        for out in real_run_steps(*args, **kwargs):
-            rec.outputs.append(out)
-            yield out
+    def make_train_steps(*args, **kwargs):
+        steps = real_make(*args, **kwargs)
+
+        def recorded(iterator, state, n):
+            call = steps(iterator, state, n)
+            rec.outputs.extend(call.outputs)
+            rec.last_state = call.state
+            return call
+
+        return recorded
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(verify, "build_strategy", build_strategy)
-        patch.setattr(verify, "run_steps", run_steps)
+        patch.setattr(verify, "make_train_steps", make_train_steps)
         yield rec
 
 
