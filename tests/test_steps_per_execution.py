@@ -130,7 +130,7 @@ def test_the_default_is_one_step_per_call_on_cpus_and_more_on_gpus():
     def resolved(devices, strategy="mirrored", given=None):
         config = small_config(dist=DistConfig(strategy=strategy),
                         train=train_config(steps_per_execution=given))
-        plugin = types.SimpleNamespace(devices=devices)
+        plugin = types.SimpleNamespace(devices=devices, cluster_resolver=None)
         return run.steps_per_execution(config, plugin).train.steps_per_execution
 
     gpus = ["/job:localhost/replica:0/task:0/device:GPU:0", "/device:GPU:1"]
@@ -141,3 +141,42 @@ def test_the_default_is_one_step_per_call_on_cpus_and_more_on_gpus():
     # A pipeline on GPUs with its embedding on the host CPU.
     assert resolved(["/device:CPU:0"] + gpus) == run.GPU_STEPS_PER_EXECUTION
     assert resolved(gpus, strategy="parameter_server") == 1
+
+
+def test_worker_processes_with_the_sampled_softmax_take_one_step_per_call():
+    """Synchronous worker processes (a plug-in with a cluster resolver) and --softmax
+    sampled: one step per call even on GPUs, and more asked for is a one-line error.
+    (Two worker processes given ten sampled-softmax steps in one call failed in
+    TensorFlow's all-gather of their sparse gradients, whose sizes differ: verify's
+    multi_worker check, test_multi_worker.py, before it took one step per call.)"""
+    import types
+
+    from conftest import model_config
+    from tfpar.config import DistConfig
+    from tfpar.errors import ConfigError
+    from tfpar.training import run
+
+    gpus = types.SimpleNamespace(devices=["/job:worker/replica:0/task:0/device:GPU:0"],
+                                 cluster_resolver=object())
+
+    def config(softmax, given=None):
+        return small_config(model=model_config(softmax=softmax),
+                            dist=DistConfig(strategy="multi_worker"),
+                            train=train_config(steps_per_execution=given))
+
+    def resolved(c):
+        return run.steps_per_execution(c, gpus).train.steps_per_execution
+
+    assert resolved(config("sampled")) == 1
+    assert resolved(config("sampled", given=1)) == 1
+    assert resolved(config("full")) == run.GPU_STEPS_PER_EXECUTION  # the full softmax: fine
+    assert resolved(config("full", given=4)) == 4
+    with pytest.raises(ConfigError) as e:
+        resolved(config("sampled", given=4))
+    assert str(e.value) == (
+        "--steps-per-execution 4 with --softmax sampled across worker processes: "
+        "TensorFlow cannot gather the workers' sampled-softmax gradients of different "
+        "sizes inside one call; use --steps-per-execution 1")
+    one_process = types.SimpleNamespace(devices=gpus.devices, cluster_resolver=None)
+    assert run.steps_per_execution(config("sampled", given=4), one_process) \
+        .train.steps_per_execution == 4

@@ -458,7 +458,8 @@ class TrainConfig:
         "(losses come back once per call; checkpoints, summaries, --max-steps and the "
         "non-finite guard keep their meaning) (default: chosen by the run, "
         "tfpar.training.run.steps_per_execution: 1 on CPUs, 20 when the strategy's devices "
-        "are GPUs, where a step is short against the host's ~1 ms per call)", metavar="N")
+        "are GPUs, where a step is short against the host's ~1 ms per call; always 1 for "
+        "multi_worker with --softmax sampled)", metavar="N")
     early_stop: int = flag(
         0, "stop training after this many epochs in a row without a better valid "
         "perplexity (0: never)", metavar="EPOCHS")

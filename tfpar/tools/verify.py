@@ -325,7 +325,8 @@ def run_plugin(setup: Setup, dist: DistConfig) -> RunResult:
                               seed=setup.spec.seed, initial_weights=setup.initial_weights,
                               make_optimizer=lambda epoch, lr_scale: setup.make_optimizer(),
                               fixed_shapes=setup.spec.mode == "stream")
-    # Training's own call (tfpar.training.runner), as many steps as are left per call;
+    # Training's own call (tfpar.training.runner), one step per call as on CPUs (worker
+    # processes with the sampled softmax must: tfpar.training.run.steps_per_execution);
     # a stream epoch starts from the zero state, so one trace serves every call.
     train_steps = make_train_steps(plugin, state.model, state.optimizer,
                                    clip_norm=setup.clip_norm)
@@ -335,7 +336,7 @@ def run_plugin(setup: Setup, dist: DistConfig) -> RunResult:
     for epoch in itertools.count():
         iterator, carried = iter(setup.train_batches(plugin, epoch)), zeros
         while len(norms) < setup.spec.steps:
-            call = train_steps(iterator, carried, setup.spec.steps - len(norms))
+            call = train_steps(iterator, carried, 1)
             norms += [float(out.grad_norm) for out in call.outputs]
             carried = call.state
             if call.exhausted:

@@ -160,10 +160,28 @@ GPU_STEPS_PER_EXECUTION = 20
 def steps_per_execution(config: Config, plugin) -> Config:
     """``config`` with ``--steps-per-execution`` set: the user's value, else
     GPU_STEPS_PER_EXECUTION when a synchronous plug-in computes on GPUs (a pipeline's
-    host-CPU embedding stage included), else 1."""
-    if config.train.steps_per_execution is not None:
+    host-CPU embedding stage included), else 1.
+
+    Synchronous worker processes with ``--softmax sampled`` run one step per call: each
+    worker's sampled-softmax gradient has its own number of rows, and TensorFlow's
+    all-gather of such gradients fails from a call's second step on (a shape mismatch
+    between the workers' collectives inside the loop; TensorFlow 2.21).
+
+    Raises:
+      ConfigError: more than one step per call asked for in that case.
+    """
+    synchronous = not registry.is_asynchronous(config.dist.strategy)
+    one_per_call = (synchronous and plugin.cluster_resolver is not None
+                    and config.model.softmax == "sampled")
+    asked = config.train.steps_per_execution
+    if asked is not None:
+        if one_per_call and asked > 1:
+            raise ConfigError(
+                f"--steps-per-execution {asked} with --softmax sampled across worker "
+                "processes: TensorFlow cannot gather the workers' sampled-softmax "
+                "gradients of different sizes inside one call; use --steps-per-execution 1")
         return config
-    gpus = (not registry.is_asynchronous(config.dist.strategy) and plugin.devices and
+    gpus = (synchronous and plugin.devices and not one_per_call and
             any(tf.DeviceSpec.from_string(d).device_type == "GPU" for d in plugin.devices))
     n = GPU_STEPS_PER_EXECUTION if gpus else 1
     if gpus:
