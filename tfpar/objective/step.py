@@ -474,5 +474,11 @@ def make_eval_step(plugin, model, loss=None):
     step_fn = as_step_output(eval_step, any_shape=not model.fixed_shapes)
     # Stream mode's first window starts from these zeros, not from None: one structure
     # for every window, so the first is not traced apart from the rest.
-    step_fn.zero_state = lambda rows: plugin.local_state(model.zero_state(rows))
+    step_fn.zero_state = lambda rows: zero_state(plugin, model, rows)
     return step_fn
+
+
+def zero_state(plugin, model, rows: int):
+    """The zero recurrent state of a ``rows``-row global batch in ``plugin``'s form: where
+    an epoch's first stream window starts (evaluation's, verify's training's)."""
+    return plugin.local_state(model.zero_state(rows))

@@ -330,7 +330,7 @@ def run_plugin(setup: Setup, dist: DistConfig) -> RunResult:
     # a stream epoch starts from the zero state, so one trace serves every call.
     train_steps = make_train_steps(plugin, state.model, state.optimizer,
                                    clip_norm=setup.clip_norm)
-    zeros = (plugin.local_state(state.model.zero_state(setup.spec.batch_size))
+    zeros = (step.zero_state(plugin, state.model, setup.spec.batch_size)
              if setup.spec.mode == "stream" else None)
     norms: list[float] = []
     for epoch in itertools.count():

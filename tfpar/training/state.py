@@ -201,8 +201,7 @@ def build_train_state(scope: contextlib.AbstractContextManager, model_config: Mo
             optimizer.build(model.trainable_variables)
     # Plain host variables, outside the strategy: they hold the global batch's state.
     with tf.device("/cpu:0"):
-        carry = [[tf.Variable(tf.zeros([carry_rows, width]),
-                              trainable=False, name=f"carry_{i}_{k}")
-                  for k, width in enumerate(model.state_widths)]
-                 for i in range(model_config.layers)] if carry_rows else []
+        carry = [[tf.Variable(zeros, trainable=False, name=f"carry_{i}_{k}")
+                  for k, zeros in enumerate(layer)]
+                 for i, layer in enumerate(model.zero_state(carry_rows))] if carry_rows else []
     return TrainState(model, optimizer, epoch, batch_in_epoch, carry, selection)
