@@ -95,20 +95,21 @@ def make_corpus(tmp):
     return Path(write_tiny_corpus(str(tmp / "corpus")))
 
 
-@pytest.mark.parametrize("point", ["after-step-4", "while-checkpointing", "while-exporting"])
+@pytest.mark.parametrize("point", ["while-checkpointing", "while-exporting"])
 def test_sigkill_then_resume_ends_with_the_same_parameters(point, reference, tmp_path):
-    """The mid-write kills check that the write was still under way when the kill came
-    (its temporary files or staging dir outlived the process); when it had just ended
-    between the poll and the kill, the attempt is repeated on a fresh model dir."""
+    """The kills check that the write was still under way when the kill came (its
+    temporary files or staging dir outlived the process); when it had just ended between
+    the poll and the kill, the attempt is repeated on a fresh model dir. (A kill between
+    two steps, resumed bit for bit: test_faults.py::test_killed_runs_resume_exactly, one
+    process, and test_launch_local.py::test_a_killed_worker_is_restarted_and_the_run_completes,
+    two workers.)"""
     corpus, expected = reference
     model_dir, export_dir = tmp_path / "run", tmp_path / "run-export"
     for _attempt in range(5):
         shutil.rmtree(model_dir, ignore_errors=True)
         shutil.rmtree(export_dir, ignore_errors=True)
         proc = start(run_args(corpus, tmp_path, "run"))
-        if point == "after-step-4":
-            wait_for(has_checkpoint(model_dir, 4), proc)
-        elif point == "while-checkpointing":
+        if point == "while-checkpointing":
             # A write's temporary files live ~5 ms: a poll that sleeps 0.5 ms between looks
             # wakes ahead of busy processes, where a spinning one loses its turn on a loaded
             # host (beside two CPU hogs: 4 kills in 6 inside the write, against 6 in 6).
@@ -120,8 +121,7 @@ def test_sigkill_then_resume_ends_with_the_same_parameters(point, reference, tmp
         proc.stdout.close()
         assert proc.returncode == -signal.SIGKILL
         # What the kill interrupted is still on disk: nothing finished it after the kill.
-        if point == "after-step-4" or \
-                (point == "while-checkpointing" and writing_checkpoint(model_dir, 6)()) or \
+        if (point == "while-checkpointing" and writing_checkpoint(model_dir, 6)()) or \
                 (point == "while-exporting" and exporting(export_dir)()):
             break
     else:
@@ -131,7 +131,7 @@ def test_sigkill_then_resume_ends_with_the_same_parameters(point, reference, tmp
     # .index file while a checkpoint is finished (ckpt-4 can still be the latest when the
     # kill comes with ckpt-6.index written).
     left = latest_step(str(model_dir))
-    assert left is not None and left >= {"after-step-4": 2, "while-checkpointing": 4,
+    assert left is not None and left >= {"while-checkpointing": 4,
                                          "while-exporting": 60}[point], left
 
     resumed = start(run_args(corpus, tmp_path, "run"))
