@@ -148,6 +148,27 @@ def test_long_sentences_split_or_truncate(policy, expect_tokens):
         assert batch["targets"].shape[1] <= 5
 
 
+@pytest.mark.parametrize("policy", ["split", "truncate"])
+def test_every_piece_of_a_long_sentence_is_its_consecutive_slice(policy):
+    """Sentences of 0 to 17 words, --max-length 5: each example (inputs and targets) is a
+    slice [5i, 5i + 5) of its sentence's <eos> w1 … wn <eos> shifted pair (split: every
+    slice, the last holding the rest; truncate: the first), computed here in Python."""
+    lines = [" ".join(f"w{k}" for k in range(n)) for n in range(1, 18)]
+    data = make_data(lines, max_length=5, long_sentences=policy)
+    want = []
+    for line in lines:
+        ids = [EOS_ID, *data.vocab.encode(line), EOS_ID]
+        inputs, targets = ids[:-1], ids[1:]
+        starts = range(0, len(targets), 5) if policy == "split" else [0]
+        want += [(tuple(inputs[i:i + 5]), tuple(targets[i:i + 5])) for i in starts]
+    got = []
+    for batch in data.batches("train", training=False, batch_size=4):
+        for x, t in zip(batch["inputs"].numpy(), batch["targets"].numpy()):
+            n = int((t != PAD_ID).sum())
+            got.append((tuple(int(v) for v in x[:n]), tuple(int(v) for v in t[:n])))
+    assert sorted(got) == sorted(want)
+
+
 @pytest.mark.parametrize("rows_,shards", [(10, 3), (2, 4), (8, 4), (1, 1)])
 def test_shard_bounds_cover_rows_exactly_once(rows_, shards):
     covered = []

@@ -81,6 +81,19 @@ def with_eos(ids: tf.RaggedTensor, *, before: bool = False) -> tf.RaggedTensor:
 
 
 @plain
+def split_rows(ids: tf.RaggedTensor, length: int) -> tf.RaggedTensor:
+    """[N, (n_i)] → [M, (m_j)]: each row cut into consecutive pieces of ``length`` ids
+    (the last piece of a row holds the rest), pieces in row order. Rows are never empty
+    here (an example has at least its ``<eos>``)."""
+    n = ids.row_lengths()  # [N], the row partition's dtype (unbatch then gives tensors)
+    pieces = (n + length - 1) // length  # [N]
+    row = tf.repeat(tf.range(tf.size(n, n.dtype)), pieces)  # [M] the row of each piece
+    index = tf.range(tf.size(row, n.dtype)) - tf.gather(tf.cumsum(pieces, exclusive=True), row)
+    sizes = tf.minimum(tf.cast(length, n.dtype), tf.gather(n, row) - index * length)
+    return tf.RaggedTensor.from_row_lengths(ids.flat_values, sizes)
+
+
+@plain
 def stream_ids(lines: tf.Tensor, table: tf.lookup.StaticHashTable, *,
                tokenizer: str) -> tf.Tensor:
     """[N] lines → [M] int32: a stream-mode token stream, each line's ids then ``<eos>``."""
@@ -280,7 +293,7 @@ class InputData:
     # -- sentence mode
     def _examples(self, lines: tf.data.Dataset) -> tf.data.Dataset:
         """[k] line batches → examples {"inputs": [n], "targets": [n]}, one per line
-        (or per max_length piece of a long line)."""
+        (or per max_length piece of a long line), in line order."""
         table = self.vocab.lookup_table()
         max_len = self.config.max_length
         split_long = self.config.long_sentences == "split"
@@ -289,19 +302,16 @@ class InputData:
         @plain
         def encode(line_batch):
             full = with_eos(tokenize(line_batch, table, tokenizer=tokenizer), before=True)
-            return {"inputs": full[:, :-1], "targets": full[:, 1:]}
-
-        ds = lines.map(encode, num_parallel_calls=AUTOTUNE).unbatch()
-
-        @plain
-        def pieces(ex):
+            ex = {"inputs": full[:, :-1], "targets": full[:, 1:]}
             if split_long:
-                framed = {k: tf.signal.frame(v, max_len, max_len, pad_end=True, pad_value=PAD_ID)
-                          for k, v in ex.items()}
-                return tf.data.Dataset.from_tensor_slices(framed).map(_trim)
-            return tf.data.Dataset.from_tensors({k: v[:max_len] for k, v in ex.items()})
+                return {k: split_rows(v, max_len) for k, v in ex.items()}
+            return {k: v[:, :max_len] for k, v in ex.items()}
 
-        return ds.flat_map(pieces)
+        # Cut per batch of lines, in ragged ops: no dataset per example. Unbatched, a
+        # ragged row's spec is a rank-0 RaggedTensorSpec; the identity map makes it the
+        # TensorSpec that bucketing's padded batches take (the values are tensors alike).
+        return lines.map(encode, num_parallel_calls=AUTOTUNE).unbatch().map(
+            plain(lambda ex: ex))
 
     def pipeline_lines(self, split: str, *, shuffle: bool, epoch: int, pipelines: int = 1,
                        index: int = 0) -> tf.data.Dataset:
@@ -535,13 +545,6 @@ def _seed(seed: int, epoch: int) -> int:
 
 # Without a vocabulary pass, bucket boundaries come from this many first train lines.
 SAMPLE_LINES = 100_000
-
-
-@plain
-def _trim(ex: dict) -> dict:
-    """Drops the padding that ``tf.signal.frame`` added to the last piece."""
-    length = tf.reduce_sum(tf.cast(tf.not_equal(ex["targets"], PAD_ID), tf.int32))
-    return {k: v[:length] for k, v in ex.items()}
 
 
 def count_tokens(dataset: tf.data.Dataset) -> tuple[int, int]:
