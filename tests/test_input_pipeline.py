@@ -150,7 +150,7 @@ def test_long_sentences_split_or_truncate(policy, expect_tokens):
 
 @pytest.mark.parametrize("policy", ["split", "truncate"])
 def test_every_piece_of_a_long_sentence_is_its_consecutive_slice(policy):
-    """Sentences of 0 to 17 words, --max-length 5: each example (inputs and targets) is a
+    """Sentences of 1 to 17 words, --max-length 5: each example (inputs and targets) is a
     slice [5i, 5i + 5) of its sentence's <eos> w1 … wn <eos> shifted pair (split: every
     slice, the last holding the rest; truncate: the first), computed here in Python."""
     lines = [" ".join(f"w{k}" for k in range(n)) for n in range(1, 18)]

@@ -85,7 +85,7 @@ def split_rows(ids: tf.RaggedTensor, length: int) -> tf.RaggedTensor:
     """[N, (n_i)] → [M, (m_j)]: each row cut into consecutive pieces of ``length`` ids
     (the last piece of a row holds the rest), pieces in row order. Rows are never empty
     here (an example has at least its ``<eos>``)."""
-    n = ids.row_lengths()  # [N], the row partition's dtype (unbatch then gives tensors)
+    n = ids.row_lengths()  # [N], in the row partition's dtype, which the pieces keep
     pieces = (n + length - 1) // length  # [N]
     row = tf.repeat(tf.range(tf.size(n, n.dtype)), pieces)  # [M] the row of each piece
     index = tf.range(tf.size(row, n.dtype)) - tf.gather(tf.cumsum(pieces, exclusive=True), row)
