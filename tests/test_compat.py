@@ -174,6 +174,35 @@ def test_keras_cudnn_lstm_on_a_gpu_computes_what_keras_lstm_does(gpu_visible):
                                rtol=1e-5, atol=1e-6)
 
 
+# ---------------------------------------------------------------- SavedModel proto
+def test_a_saved_models_proto_names_each_signatures_function_and_holds_its_graph(tmp_path):
+    """``check_servable`` reads what a signature runs from the written file: the object
+    graph's ``signatures`` node names each signature's function, whose graph, and those
+    of the functions it calls, are in the library (a numpy_function two calls deep)."""
+    from tfpar.serving.export import _ops_called
+
+    inner = tf.function(lambda v: tf.numpy_function(lambda a: a * 2, [v], tf.float32),
+                        autograph=False)
+
+    class Doubler(tf.Module):
+        @tf.function(autograph=False, input_signature=[tf.TensorSpec([None], tf.float32)])
+        def double(self, x):
+            return {"y": inner(x) + 0.0}
+
+    module = Doubler()
+    tf.saved_model.save(module, str(tmp_path), signatures={"double": module.double})
+    meta = compat.read_saved_model(str(tmp_path)).meta_graphs[0]
+    library = {f.signature.name: f for f in meta.graph_def.library.function}
+    nodes = meta.object_graph_def.nodes
+    signatures = next(c for c in nodes[0].children if c.local_name == "signatures")
+    [child] = nodes[signatures.node_id].children
+    assert child.local_name == "double"
+    name = nodes[child.node_id].bare_concrete_function.concrete_function_name
+    assert name in library
+    assert "PyFunc" in _ops_called(name, library)
+    assert "PyFunc" not in {n.op for n in library[name].node_def}  # found by the calls
+
+
 # ------------------------------------------------------------------- ShardedVariable
 def test_a_sharded_keras_variable_round_trips_a_checkpoint(tmp_path):
     """A Keras variable over ``CheckpointedShards`` (two shards of rows) saves its whole

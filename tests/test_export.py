@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfpar import compat
 from tfpar.serving import export
 
 from tfpar.serving import sample
@@ -193,12 +194,7 @@ def test_generate_rejects_negative_arguments(exported, kwargs, message):
 # ----------------------------------------------------------------------------- loading
 def saved_op_types(path) -> set:
     """Every op type in a SavedModel's graph and its functions (the signatures' bodies)."""
-    from tensorflow.core.protobuf import saved_model_pb2
-
-    saved = saved_model_pb2.SavedModel()
-    with open(os.path.join(path, "saved_model.pb"), "rb") as f:
-        saved.ParseFromString(f.read())
-    graph = saved.meta_graphs[0].graph_def
+    graph = compat.read_saved_model(str(path)).meta_graphs[0].graph_def
     return {n.op for n in graph.node} | {n.op for f in graph.library.function
                                          for n in f.node_def}
 

@@ -51,7 +51,7 @@ import uuid
 
 import tensorflow as tf
 
-from tfpar import files
+from tfpar import compat, files
 from tfpar.serving import sample
 from tfpar.config import RunConfig
 from tfpar.errors import CheckpointError
@@ -162,23 +162,46 @@ class LanguageModelModule(tf.Module):
 PYTHON_OPS = ("EagerPyFunc", "PyFunc", "PyFuncStateless")
 
 
-def check_servable(module: LanguageModelModule) -> None:
-    """Raises CheckpointError when a signature of ``module`` would call Python: a
-    SavedModel's signatures are graphs served by TensorFlow alone, with no import of the
-    code that made them (a custom cell's module included), which such an op breaks.
+def check_servable(saved_model_dir: str, cell: str) -> None:
+    """Raises CheckpointError when a signature of the SavedModel just written to
+    ``saved_model_dir`` would call Python: a SavedModel's signatures are graphs served by
+    TensorFlow alone, with no import of the code that made them (a custom cell's module
+    included), which such an op breaks.
 
-    Traces the signatures (``tf.saved_model.save`` reuses the traces).
+    Reads the written graphs (each signature's function and every function it calls),
+    so nothing is traced again: ``tf.saved_model.save`` traces the signatures in a save
+    context of its own, so traces made before it are not the ones it keeps.
     """
-    for name, function in module.signatures().items():
-        graph = function.get_concrete_function().graph.as_graph_def()
-        nodes = [*graph.node, *(n for f in graph.library.function for n in f.node_def)]
-        found = sorted({n.op for n in nodes if n.op in PYTHON_OPS})
+    meta = compat.read_saved_model(saved_model_dir).meta_graphs[0]
+    library = {f.signature.name: f for f in meta.graph_def.library.function}
+    objects = meta.object_graph_def.nodes
+    signatures = next(c.node_id for c in objects[0].children if c.local_name == "signatures")
+    for child in objects[signatures].children:
+        name = objects[child.node_id].bare_concrete_function.concrete_function_name
+        found = sorted(_ops_called(name, library) & set(PYTHON_OPS))
         if found:
             raise CheckpointError(
-                f"--cell {module.model.config.cell} cannot be exported: its step calls Python "
-                f"({found[0]}, from tf.py_function or tf.numpy_function) in the {name!r} "
-                "signature, which a SavedModel cannot serve without this process; write the "
-                "cell in TensorFlow ops, or train with --no-export; nothing was written")
+                f"--cell {cell} cannot be exported: its step calls Python "
+                f"({found[0]}, from tf.py_function or tf.numpy_function) in the "
+                f"{child.local_name!r} signature, which a SavedModel cannot serve without "
+                "this process; write the cell in TensorFlow ops, or train with --no-export; "
+                "nothing was written")
+
+
+def _ops_called(function: str, library: dict) -> set[str]:
+    """The op types of library ``function`` and of every function it calls."""
+    ops, todo, seen = set(), [function], set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in library:
+            continue
+        seen.add(name)
+        for node in library[name].node_def:
+            ops.add(node.op)
+            for attr in node.attr.values():
+                todo += [attr.func.name] if attr.HasField("func") else []
+                todo += [f.name for f in attr.list.func]
+    return ops
 
 
 def next_version(base: str) -> int:
@@ -237,8 +260,8 @@ def export_model(model, vocab: Vocab, run: RunConfig) -> str:
         # The signatures are traced here, with no device set: on a GPU host the layers
         # would bake in cuDNN's op, which has no CPU kernel. Trained on GPUs, served on CPUs.
         with portable_recurrence():
-            check_servable(module)
             tf.saved_model.save(module, out, signatures=module.signatures())
+        check_servable(out, model.config.cell)
         final = _rename_to_next_version(out, base)
     except (OSError, tf.errors.OpError) as e:
         raise CheckpointError(
