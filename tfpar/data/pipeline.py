@@ -157,41 +157,50 @@ def fill_partial_batches(batches: tf.data.Dataset, batch_size: int,
     marker = {"inputs": tf.zeros([0, 1], tf.int32), "targets": tf.zeros([0, 1], tf.int32)}
     tagged = batches.map(plain(lambda b: (b, False))).concatenate(
         tf.data.Dataset.from_tensors((marker, True)))
+    size = tf.constant(batch_size, tf.int32)
+    shuffle = tf.constant(seed is not None)
+    seed = tf.constant([seed or 0, 0], tf.int64)
+    step = plain(lambda held, element: _fill_step(held, element, size, shuffle, seed))
+    start = {k: tf.zeros([0, 1], tf.int32) for k in ("inputs", "targets")}
+    rows = tagged.scan(start, step).filter(plain(lambda b, ready: ready))
+    return rows.flat_map(plain(lambda b, ready: tf.data.Dataset.from_tensor_slices(b).batch(
+        batch_size))).map(plain(lambda b: {k: _trim_columns(v) for k, v in b.items()}))
 
-    @plain
+
+_ROWS = tf.TensorSpec([None, None], tf.int32)
+_BATCH = {"inputs": _ROWS, "targets": _ROWS}
+
+
+@tf.function(autograph=False, input_signature=[
+    _BATCH, (_BATCH, tf.TensorSpec([], tf.bool)), tf.TensorSpec([], tf.int32),
+    tf.TensorSpec([], tf.bool), tf.TensorSpec([2], tf.int64)])
+def _fill_step(held, element, batch_size, shuffle, seed):
+    """:func:`fill_partial_batches`' scan step: a full batch passes through; a partial one
+    joins the held rows, which leave (mixed by ``seed`` when ``shuffle``) at the end.
+    Traced once per process, whatever the pipeline (every argument a tensor)."""
+    batch, end = element
+    rows = tf.shape(batch["targets"])[0]
+    full = tf.logical_and(rows == batch_size, tf.logical_not(end))
+
     def join(a, b):
         length = tf.maximum(tf.shape(a)[1], tf.shape(b)[1])
         pad = lambda x: tf.pad(x, [[0, 0], [0, length - tf.shape(x)[1]]],  # noqa: E731
                                constant_values=PAD_ID)
         return tf.concat([pad(a), pad(b)], axis=0)
 
-    @plain
-    def step(held, element):
-        batch, end = element
-        rows = tf.shape(batch["targets"])[0]
-        full = tf.logical_and(rows == batch_size, tf.logical_not(end))
+    def pass_through():
+        return held, (batch, True)
 
-        def pass_through():
-            return held, (batch, True)
+    def hold():
+        joined = {k: join(held[k], batch[k]) for k in held}
+        n = tf.shape(joined["targets"])[0]
+        order = tf.cond(shuffle, lambda: tf.random.experimental.stateless_shuffle(
+            tf.range(n), seed=seed), lambda: tf.range(n))
+        mixed = {k: tf.gather(v, order) for k, v in joined.items()}
+        ready = tf.logical_and(end, n > 0)
+        return joined, (mixed, ready)
 
-        def hold():
-            joined = {k: join(held[k], batch[k]) for k in held}
-            n = tf.shape(joined["targets"])[0]
-            if seed is not None:
-                order = tf.random.experimental.stateless_shuffle(
-                    tf.range(n), seed=tf.constant([seed, 0], tf.int64))
-                mixed = {k: tf.gather(v, order) for k, v in joined.items()}
-            else:
-                mixed = joined
-            ready = tf.logical_and(end, n > 0)
-            return joined, (mixed, ready)
-
-        return tf.cond(full, pass_through, hold)
-
-    start = {k: tf.zeros([0, 1], tf.int32) for k in ("inputs", "targets")}
-    rows = tagged.scan(start, step).filter(plain(lambda b, ready: ready))
-    return rows.flat_map(plain(lambda b, ready: tf.data.Dataset.from_tensor_slices(b).batch(
-        batch_size))).map(plain(lambda b: {k: _trim_columns(v) for k, v in b.items()}))
+    return tf.cond(full, pass_through, hold)
 
 
 @plain

@@ -184,9 +184,12 @@ def segment_table(segments: Sequence[Segment]) -> tf.data.Dataset:
         tf.constant([s.size for s in segments], tf.int64)))
 
 
-@tf.autograph.experimental.do_not_convert
+@tf.function(autograph=False, input_signature=[
+    tf.TensorSpec([], tf.string), *[tf.TensorSpec([], tf.int64)] * 3])
 def segment_lines(path, start, end, size) -> tf.data.Dataset:
-    """[k] string batches of one segment's stripped, non-blank lines."""
+    """[k] string batches of one segment's stripped, non-blank lines. A ``tf.function``
+    of tensors alone: its reader is traced once per process, whatever the split, and each
+    pipeline that reads segments calls that trace."""
     return _lines_of_records(_segment_records(path, start, end, size)).map(non_blank)
 
 
