@@ -159,8 +159,8 @@ def fill_partial_batches(batches: tf.data.Dataset, batch_size: int,
         tf.data.Dataset.from_tensors((marker, True)))
     size = tf.constant(batch_size, tf.int32)
     shuffle = tf.constant(seed is not None)
-    seed = tf.constant([seed or 0, 0], tf.int64)
-    step = plain(lambda held, element: _fill_step(held, element, size, shuffle, seed))
+    key = tf.constant([seed or 0, 0], tf.int64)  # stateless_shuffle's [2] seed
+    step = plain(lambda held, element: _fill_step(held, element, size, shuffle, key))
     start = {k: tf.zeros([0, 1], tf.int32) for k in ("inputs", "targets")}
     rows = tagged.scan(start, step).filter(plain(lambda b, ready: ready))
     return rows.flat_map(plain(lambda b, ready: tf.data.Dataset.from_tensor_slices(b).batch(
